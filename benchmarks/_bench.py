@@ -1,0 +1,147 @@
+"""The one benchmark scaffold: timing, copy bandwidth, routing generators and the result files.
+
+Every ``bench_<op>.py`` imports this, so there is one timing helper and one result schema
+(PERF.md): ``benchmarks/results/<name>.json`` plus ``<name>.md``. Set ``FP8FLOW_RESULTS_DIR`` to
+write elsewhere (the GPU runner writes under ``$OUT``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(os.environ.get("FP8FLOW_RESULTS_DIR", Path(__file__).parent / "results"))
+# Inputs are rotated until their total exceeds this, so timings never run out of the 50-60 MB L2.
+ROTATE_BYTES = 256 * 2**20
+
+
+def versions() -> dict[str, str]:
+    """torch, triton, torchao and CUDA versions of this process."""
+    import triton
+
+    try:
+        import torchao
+
+        ao = torchao.__version__
+    except Exception as exc:  # torchao is an optional baseline: record why it is missing
+        ao = f"unavailable ({type(exc).__name__})"
+    return {"torch": torch.__version__, "triton": triton.__version__, "torchao": ao, "cuda": str(torch.version.cuda)}
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def n_rotations(bytes_per_set: int) -> int:
+    """How many input sets to rotate so the working set exceeds L2."""
+    return max(1, min(64, -(-ROTATE_BYTES // max(bytes_per_set, 1))))
+
+
+def bench_us(fn: Callable[..., Any], arg_sets: Sequence[tuple]) -> float:
+    """Median time of ``fn(*args)`` in microseconds, rotating through ``arg_sets`` (CUDA events via do_bench)."""
+    import triton.testing
+
+    cycle = itertools.cycle(arg_sets)
+    for args in arg_sets:  # warm-up: compile, autotune, allocator
+        fn(*args)
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(lambda: fn(*next(cycle)), warmup=25, rep=200, return_mode="median")
+    return ms * 1e3
+
+
+_COPY_GBPS: float | None = None
+
+
+def copy_bandwidth_gbps() -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written), once per process."""
+    global _COPY_GBPS
+    if _COPY_GBPS is None:
+        n = 1 << 30
+        src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+        dst = torch.empty_like(src)
+        us = bench_us(lambda: dst.copy_(src), [()])
+        _COPY_GBPS = 2 * n / us / 1e3
+    return _COPY_GBPS
+
+
+def skewed_counts(total: int, experts: int, alpha: float = 1.2, empty: int = 2, seed: int = 0) -> list[int]:
+    """Zipf-like rows per expert summing to ``total``, with ``empty`` experts getting none."""
+    g = torch.Generator().manual_seed(seed)
+    w = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** alpha
+    w[torch.randperm(experts, generator=g)[:empty]] = 0
+    counts = torch.floor(w / w.sum() * total).long()
+    counts[int(torch.argmax(w))] += total - int(counts.sum())
+    return counts.tolist()
+
+
+def balanced_counts(total: int, experts: int) -> list[int]:
+    base = [total // experts] * experts
+    base[0] += total - sum(base)
+    return base
+
+
+def row(
+    case: str,
+    ours_us: float,
+    baseline: str,
+    baseline_us: float | None,
+    *,
+    bytes_moved: int | None = None,
+    flops: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One result row in the PERF.md schema (speed-up = baseline time / ours)."""
+    gbps = bytes_moved / ours_us / 1e3 if bytes_moved else None
+    r = {
+        "case": case,
+        "ours_us": round(ours_us, 2),
+        "baseline": baseline,
+        "baseline_us": None if baseline_us is None else round(baseline_us, 2),
+        "speedup": None if baseline_us is None else round(baseline_us / ours_us, 3),
+        "gbps": None if gbps is None else round(gbps, 1),
+        "pct_of_copy_bw": None if gbps is None else round(100 * gbps / copy_bandwidth_gbps(), 1),
+        "tflops": None if flops is None else round(flops / ours_us / 1e6, 1),
+    }
+    r.update(extra)
+    return r
+
+
+def write_results(name: str, rows: list[dict[str, Any]], notes: str = "") -> Path:
+    """Write ``<name>.json`` and a markdown table ``<name>.md`` under RESULTS_DIR; print the table."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "benchmark": name,
+        "device": device_name(),
+        "versions": versions(),
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "copy_bandwidth_gbps": round(copy_bandwidth_gbps(), 1) if torch.cuda.is_available() else None,
+        "notes": notes,
+        "rows": rows,
+    }
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = [
+        f"# {name}",
+        "",
+        f"{doc['device']}; {', '.join(f'{k} {v}' for k, v in doc['versions'].items())}; {doc['date']}",
+        f"Command: `{doc['command']}`; copy bandwidth {doc['copy_bandwidth_gbps']} GB/s.",
+        "",
+        notes,
+        "",
+        "| " + " | ".join(keys) + " |",
+        "|" + "---|" * len(keys),
+    ]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    (RESULTS_DIR / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[6:]))
+    return path

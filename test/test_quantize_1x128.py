@@ -1,0 +1,91 @@
+"""quantize_1x128: bit-exact against the reference (Triton on GPU, or the CPU interpreter), op checks, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows
+
+from fp8flow_ao._format import FP8_MAX
+from fp8flow_ao.kernels.quantize_1x128 import launch_quantize_1x128, quantize_1x128, quantize_1x128_reference
+
+SHAPES = [(1, 128), (37, 256), (130, 384), (64, 200), (5, 7), (0, 256), (3, 1000)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_k", [128, None])
+def test_triton_matches_reference(shape, dtype, block_k):
+    x = (torch.randn(shape) * torch.logspace(-3, 3, shape[0] or 1)[: shape[0], None]).to(DEVICE, dtype)
+    data, scale_inv = launch_quantize_1x128(x, block_k)
+    ref_data, ref_scale = quantize_1x128_reference(x.cpu(), block_k)
+    assert_fp8_equal(data, ref_data)
+    assert_scales_equal(scale_inv, ref_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_edge_values_bit_exact(dtype):
+    x = edge_case_rows(256, DEVICE, dtype)
+    data, scale_inv = launch_quantize_1x128(x)
+    ref_data, ref_scale = quantize_1x128_reference(x.cpu())
+    assert_fp8_equal(data, ref_data)
+    assert_scales_equal(scale_inv, ref_scale)
+
+
+def test_reference_properties():
+    x = edge_case_rows(256, "cpu", torch.float32)
+    data, scale_inv = quantize_1x128_reference(x)
+    finite = torch.isfinite(scale_inv)
+    # power-of-two scales, and the smallest one that keeps the block within 448
+    assert torch.equal(torch.frexp(scale_inv[finite])[0], torch.full_like(scale_inv[finite], 0.5))
+    amax = x.abs().nan_to_num(0).reshape(8, 2, 128).amax(-1)
+    ok = finite & (amax > 1e-10)
+    assert bool((amax[ok] <= FP8_MAX * scale_inv[ok]).all())
+    assert bool((amax[ok] > FP8_MAX * scale_inv[ok] / 2).all())
+    assert torch.equal(scale_inv[0], torch.ones(2))  # amax exactly 448 -> scale 1
+    # all-zero block: tiny finite scale, zero data
+    assert bool((scale_inv[4] > 0).all()) and bool((data[4].float() == 0).all())
+    # signed zeros survive
+    assert torch.equal(torch.signbit(data[5].float()), torch.signbit(x[5]))
+    # non-finite input gives non-finite dequantized output in its block
+    assert torch.isnan(data[6, 3].float()) and torch.isinf(scale_inv[7, 0])
+    # a tie is rounded to even: 125.5 * 2**-... lands on representable neighbours only
+    assert bool(torch.isfinite(data[2].float()).all())
+
+
+def test_row_stride_is_free():
+    x = torch.randn(16, 512, device=DEVICE)[:, :256]
+    data, scale_inv = launch_quantize_1x128(x)
+    ref_data, ref_scale = quantize_1x128_reference(x.contiguous().cpu())
+    assert_fp8_equal(data, ref_data)
+    assert_scales_equal(scale_inv, ref_scale)
+
+
+@pytest.mark.parametrize("block_k", [128, None])
+def test_op_dispatch_and_compile(block_k):
+    x = torch.randn(64, 384, device=DEVICE, dtype=torch.bfloat16)
+    eager = quantize_1x128(x, block_k)
+    compiled = torch.compile(quantize_1x128, fullgraph=True)(x, block_k)
+    assert_fp8_equal(compiled[0], eager[0])
+    assert_scales_equal(compiled[1], eager[1])
+
+
+def test_opcheck():
+    x = torch.randn(32, 256, device=DEVICE, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.fp8flow.quantize_1x128.default, (x, 128))
+
+
+@pytest.mark.parametrize(
+    ("x", "block_k", "error", "match"),
+    [
+        (torch.zeros(4, 128, dtype=torch.int32), 128, TypeError, "x must have dtype"),
+        (torch.zeros(4, 2, 128), 128, ValueError, "x must have 2 dims"),
+        (torch.zeros(128, 4).t(), 128, ValueError, "x must be row-major"),
+        (torch.zeros(4, 128), 0, ValueError, "block_k"),
+        ([[1.0]], 128, TypeError, "x must be a torch.Tensor"),
+    ],
+)
+def test_bad_input(x, block_k, error, match):
+    with pytest.raises(error, match=match):
+        quantize_1x128(x, block_k)
