@@ -1,0 +1,164 @@
+"""quantize_128x128: BF16/FP16/FP32 weights ``[E, N, K]`` -> E4M3 with one scale per 128 x 128 tile,
+plus the exact transpose that the dgrad GEMM needs.
+
+One pass per tile: read the 128 x 128 tile once, take its amax, derive the power-of-two scale, cast,
+and write the tile to ``data`` and, transposed, to ``data_t``. A 128 x 128 block is symmetric under
+transpose, so ``data_t[e] == data[e].T`` bit for bit and ``scale_inv_t[e] == scale_inv[e].T``: the
+dgrad operand is the forward operand transposed, never a second quantization.
+
+Layouts (all contiguous, row-major): ``w`` ``[E, N, K]`` or ``[N, K]``; ``data`` like ``w``;
+``scale_inv`` fp32 ``[E, N/128, K/128]``; ``data_t`` ``[E, K, N]``; ``scale_inv_t`` ``[E, K/128, N/128]``.
+``scale_inv`` is the dequantize multiplier: ``w ~= data * scale_inv`` broadcast over each tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8flow_ao._checks import check_contiguous, check_multiple, check_tensor
+from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels._triton_common import nan_free_abs, pow2_scale_inv_and_scale
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# One program owns one whole 128 x 128 tile: the amax needs every element of it, and 32 KiB of bf16
+# (64 KiB of fp32) per program keeps enough bytes in flight per SM for a memory-bound pass.
+# 8 warps leave each thread 64 elements (8 x 16-byte bf16 loads, 4 x 16-byte fp8 stores per output)
+# and a 16 KiB fp8 tile in shared memory for the transposed store.
+_NUM_WARPS = 8
+
+
+@triton.jit
+def _quantize_128x128_kernel(
+    w_ptr,
+    data_ptr,
+    scale_inv_ptr,
+    data_t_ptr,
+    scale_inv_t_ptr,
+    N,
+    K,
+    WITH_TRANSPOSE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """One program: tile (``pid_n``, ``pid_k``) of expert ``e``; the K tile index varies fastest so
+    neighbouring programs read neighbouring tiles of the same rows."""
+    pid = tl.program_id(0)
+    tiles_n = N // TILE
+    tiles_k = K // TILE
+    pid_k = pid % tiles_k
+    pid_n = (pid // tiles_k) % tiles_n
+    e = (pid // (tiles_k * tiles_n)).to(tl.int64)
+    rows = (pid_n * TILE + tl.arange(0, TILE)).to(tl.int64)
+    cols = (pid_k * TILE + tl.arange(0, TILE)).to(tl.int64)
+    base = e * N * K
+    x = tl.load(w_ptr + base + rows[:, None] * K + cols[None, :]).to(tl.float32)
+    amax = tl.max(tl.max(nan_free_abs(x), axis=1), axis=0)
+    scale_inv, scale = pow2_scale_inv_and_scale(amax)
+    q = (x * scale).to(tl.float8e4nv)
+    tl.store(data_ptr + base + rows[:, None] * K + cols[None, :], q)
+    tl.store(scale_inv_ptr + (e * tiles_n + pid_n) * tiles_k + pid_k, scale_inv)
+    if WITH_TRANSPOSE:
+        # data_t[e, k, n] = data[e, n, k]: the same fp8 bytes, written K-major.
+        tl.store(data_t_ptr + base + cols[:, None] * N + rows[None, :], tl.trans(q))
+        tl.store(scale_inv_t_ptr + (e * tiles_k + pid_k) * tiles_n + pid_n, scale_inv)
+
+
+def _output_shapes(shape: torch.Size) -> tuple[tuple[int, ...], ...]:
+    """Shapes of (data, scale_inv, data_t, scale_inv_t) for weights of ``shape`` (``[..., N, K]``)."""
+    *lead, n, k = shape
+    nb, kb = n // BLOCK, k // BLOCK
+    return (*lead, n, k), (*lead, nb, kb), (*lead, k, n), (*lead, kb, nb)
+
+
+def _allocate(w: torch.Tensor, with_transpose: bool) -> tuple[torch.Tensor, ...]:
+    """Outputs for ``w``; without the transpose, ``data_t``/``scale_inv_t`` are empty ``(0,)`` tensors
+    (a custom op cannot return ``None``)."""
+    shapes = _output_shapes(w.shape)
+    if not with_transpose:
+        shapes = (shapes[0], shapes[1], (0,), (0,))
+    dtypes = (FP8_DTYPE, torch.float32, FP8_DTYPE, torch.float32)
+    return tuple(w.new_empty(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True))
+
+
+def launch_quantize_128x128(w: torch.Tensor, with_transpose: bool = True) -> tuple[torch.Tensor, ...]:
+    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`quantize_128x128`."""
+    n, k = w.shape[-2:]
+    data, scale_inv, data_t, scale_inv_t = _allocate(w, with_transpose)
+    num_tiles = w.numel() // (BLOCK * BLOCK)
+    if num_tiles == 0:
+        return data, scale_inv, data_t, scale_inv_t
+    _quantize_128x128_kernel[(num_tiles,)](
+        w,
+        data,
+        scale_inv,
+        data_t if with_transpose else data,  # never touched without the transpose
+        scale_inv_t if with_transpose else scale_inv,
+        n,
+        k,
+        WITH_TRANSPOSE=with_transpose,
+        TILE=BLOCK,
+        num_warps=_NUM_WARPS,
+    )
+    return data, scale_inv, data_t, scale_inv_t
+
+
+def quantize_128x128_reference(w: torch.Tensor, with_transpose: bool = True) -> tuple[torch.Tensor, ...]:
+    """Torch reference (the oracle and the CPU path): each 128 x 128 tile is flattened into one
+    16384-wide row block and quantized by :func:`quantize_rows_reference`."""
+    *lead, n, k = w.shape
+    nb, kb = n // BLOCK, k // BLOCK
+    tiles = w.reshape(*lead, nb, BLOCK, kb, BLOCK).transpose(-3, -2).reshape(*lead, nb, kb, BLOCK * BLOCK)
+    tile_data, tile_scale = quantize_rows_reference(tiles, BLOCK * BLOCK)
+    data = tile_data.reshape(*lead, nb, kb, BLOCK, BLOCK).transpose(-3, -2).reshape(*lead, n, k)
+    scale_inv = tile_scale.reshape(*lead, nb, kb)
+    if not with_transpose:
+        return data, scale_inv, data.new_empty((0,)), scale_inv.new_empty((0,))
+    return data, scale_inv, data.transpose(-1, -2).contiguous(), scale_inv.transpose(-1, -2).contiguous()
+
+
+@torch.library.custom_op("fp8flow::quantize_128x128", mutates_args=())
+def _quantize_128x128_op(
+    w: torch.Tensor, with_transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_128x128_reference(w, with_transpose)
+
+
+_quantize_128x128_op.register_kernel("cuda")(launch_quantize_128x128)
+
+
+@_quantize_128x128_op.register_fake
+def _(w: torch.Tensor, with_transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _allocate(w, with_transpose)
+
+
+def quantize_128x128(
+    w: torch.Tensor, with_transpose: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Quantize weights to E4M3 with one power-of-two scale per 128 x 128 tile.
+
+    Args:
+        w: ``[E, N, K]`` (one matrix per expert) or ``[N, K]``, bf16, fp16 or fp32, contiguous
+            (row-major). ``N`` and ``K`` must be multiples of 128.
+        with_transpose: also return the transposed copy for the dgrad GEMM (written by the same pass).
+
+    Returns:
+        ``(data, scale_inv, data_t, scale_inv_t)``, all contiguous (no ``E`` dim for a 2-D ``w``):
+
+        * ``data`` E4M3 ``[E, N, K]``, row-major (K contiguous).
+        * ``scale_inv`` fp32 ``[E, N/128, K/128]``: the dequantize multiplier of each tile
+          (``w ~= data * scale_inv``), a power of two; ``+inf`` for a tile holding ``+-inf``.
+        * ``data_t`` E4M3 ``[E, K, N]`` (N contiguous): bit for bit ``data[e].T``; ``None`` unless
+          ``with_transpose``.
+        * ``scale_inv_t`` fp32 ``[E, K/128, N/128]``: ``scale_inv[e].T``; ``None`` unless ``with_transpose``.
+    """
+    check_tensor("w", w, dtypes=_INPUT_DTYPES, ndim=(2, 3))
+    check_contiguous("w", w)
+    check_multiple("w", w.shape[-2], what="dim N (-2)")
+    check_multiple("w", w.shape[-1], what="dim K (-1)")
+    if not isinstance(with_transpose, bool):
+        raise TypeError(f"with_transpose must be a bool, got {type(with_transpose).__name__}")
+    data, scale_inv, data_t, scale_inv_t = torch.ops.fp8flow.quantize_128x128(w, with_transpose)
+    if not with_transpose:
+        return data, scale_inv, None, None
+    return data, scale_inv, data_t, scale_inv_t
