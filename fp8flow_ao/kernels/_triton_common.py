@@ -10,7 +10,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fp8flow_ao._format import _FP8_MAX_EXP, _FP8_MAX_MANTISSA_BITS, AMAX_EPS
+from fp8flow_ao import _format
+
+# Triton kernels may only read module globals that are tl.constexpr (plain floats fail to compile on
+# the GPU, while the interpreter accepts them silently).
+AMAX_EPS = tl.constexpr(_format.AMAX_EPS)
+FP8_MAX_EXP = tl.constexpr(_format._FP8_MAX_EXP)
+FP8_MAX_MANTISSA_BITS = tl.constexpr(_format._FP8_MAX_MANTISSA_BITS)
 
 
 @triton.jit
@@ -18,7 +24,7 @@ def pow2_scale_inv_and_scale(amax):
     """fp32 block maxima (>= 0, no NaN) -> (scale_inv = 2**k, scale = 2**-k); +inf -> (inf, 0)."""
     a = tl.maximum(amax, AMAX_EPS)
     bits = a.to(tl.int32, bitcast=True)
-    k = (bits >> 23) - (127 + _FP8_MAX_EXP) + ((bits & 0x7FFFFF) > _FP8_MAX_MANTISSA_BITS).to(tl.int32)
+    k = (bits >> 23) - (127 + FP8_MAX_EXP) + ((bits & 0x7FFFFF) > FP8_MAX_MANTISSA_BITS).to(tl.int32)
     scale_inv = ((k + 127) << 23).to(tl.float32, bitcast=True)
     scale = ((127 - k) << 23).to(tl.float32, bitcast=True)
     is_inf = a == float("inf")
