@@ -58,3 +58,19 @@ def test_there_are_kernels_to_check():
 def test_jit_functions_read_only_constexpr_globals(name, fn):
     bad = {g: type(fn.__globals__[g]).__name__ for g in _read_globals(fn) if not _allowed(fn.__globals__[g])}
     assert not bad, f"{name} reads non-constexpr globals {bad}; wrap them in tl.constexpr(...)"
+
+
+def _autotuners() -> list[tuple[str, object]]:
+    return sorted(
+        (f"{mod.__name__}.{name}", obj)
+        for mod in _kernel_modules()
+        for name, obj in vars(mod).items()
+        if isinstance(obj, triton.runtime.Autotuner)
+    )
+
+
+@pytest.mark.parametrize(("name", "tuner"), _autotuners(), ids=lambda v: v if isinstance(v, str) else "")
+def test_autotune_keys_are_kernel_arguments_and_exclude_token_count(name, tuner):
+    # An autotune key that names no argument is silently ignored; one on M (tokens) re-tunes every step.
+    assert set(tuner.keys) <= set(tuner.arg_names), (name, tuner.keys, tuner.arg_names)
+    assert "M" not in tuner.keys, f"{name}: the token count changes every step and must not be an autotune key"
