@@ -145,3 +145,51 @@ def write_results(name: str, rows: list[dict[str, Any]], notes: str = "") -> Pat
     (RESULTS_DIR / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[6:]))
     return path
+
+
+def routed_expert_ids(
+    total_rows: int, top_k: int, experts: int, skewed: bool, seed: int = 0, device: str = "cuda"
+) -> torch.Tensor:
+    """Router top-k expert ids ``[total_rows // top_k, top_k]`` (int64, as ``torch.topk`` returns).
+
+    Rows per expert are :func:`balanced_counts` or :func:`skewed_counts` (Zipf-like, some experts
+    empty), shuffled over (token, slot). Under heavy skew an expert holds more rows than there are
+    tokens, so a token may name one expert twice; the kernels treat that as two rows.
+    """
+    counts = skewed_counts(total_rows, experts, seed=seed) if skewed else balanced_counts(total_rows, experts)
+    ids = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))
+    g = torch.Generator().manual_seed(seed)
+    return ids[torch.randperm(total_rows, generator=g)].view(-1, top_k).to(device)
+
+
+def bits_equal(a: Any, b: Any) -> bool:
+    """Whether two op results (a tensor, or a tuple/list of tensors or None) are identical bit for bit."""
+    if isinstance(a, tuple | list):
+        return isinstance(b, tuple | list) and len(a) == len(b) and all(map(bits_equal, a, b))
+    if a is None or b is None:
+        return a is b
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def versus_baseline(
+    case: str,
+    ours: Callable[..., Any],
+    baseline: Callable[..., Any],
+    baseline_name: str,
+    arg_sets: Sequence[tuple],
+    bytes_moved: int,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One :func:`row`: ``ours`` and ``baseline`` timed on the same rotating inputs.
+
+    First checks, on the first input set, that both give the same bits (kept as ``bit_exact``; a
+    mismatch is printed, not raised, so the other cases still get measured).
+    """
+    exact = bits_equal(ours(*arg_sets[0]), baseline(*arg_sets[0]))
+    if not exact:
+        print(f"WARNING {case}: ours and {baseline_name} differ", file=sys.stderr)
+    ours_us = bench_us(ours, arg_sets)
+    base_us = bench_us(baseline, arg_sets)
+    return row(case, ours_us, baseline_name, base_us, bytes_moved=bytes_moved, bit_exact=exact, **extra)

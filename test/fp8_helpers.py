@@ -53,3 +53,72 @@ def edge_case_rows(k: int, device: str | torch.device = "cpu", dtype: torch.dtyp
     x[6, 3] = float("nan")
     x[7, min(5, k - 1)] = float("inf")
     return x.to(device=device, dtype=dtype)
+
+
+def opcheck_fp8_inputs(op: torch._ops.OpOverload, args: tuple) -> None:
+    """``torch.library.opcheck`` for an op that takes E4M3 tensors.
+
+    opcheck's ``test_schema`` compares inputs before and after the call with ``torch.allclose``, which
+    torch does not implement for float8 ("mul_cpu_reduced_float" ...). So run every other opcheck
+    test, and do what ``test_schema`` checks here: inputs unchanged bit for bit, outputs alias no input.
+    """
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(op, args, test_utils=utils)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    before = [t.clone() for t in tensors]
+    out = op(*args)
+    outs = out if isinstance(out, tuple | list) else (out,)
+    for t, b in zip(tensors, before, strict=True):
+        assert torch.equal(t.view(torch.uint8), b.view(torch.uint8)) if t.dtype == FP8_DTYPE else torch.equal(t, b)
+        assert not any(torch._C._overlaps(o, t) for o in outs if isinstance(o, torch.Tensor) and o.numel())
+
+
+def make_routing(kind: str, tokens: int, top_k: int, experts: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Router top-k expert ids ``[tokens, top_k]`` (int64) of a named pattern.
+
+    ``distinct``: k different experts per token (a real router); ``skewed``: Zipf-like with a third of
+    the experts empty; ``one_expert``: every row on the last expert; ``twice``: each token names its
+    first expert again in its last slot (two rows of one expert).
+    """
+    if kind == "distinct":
+        ids = torch.rand(tokens, experts).argsort(dim=1)[:, :top_k]
+    elif kind == "skewed":
+        w = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** 1.5
+        w[torch.randperm(experts)[: max(1, experts // 3)]] = 0
+        ids = torch.multinomial(w, tokens * top_k, replacement=True).view(tokens, top_k)
+    elif kind == "one_expert":
+        ids = torch.full((tokens, top_k), experts - 1)
+    elif kind == "twice":
+        ids = torch.randint(0, experts, (tokens, top_k))
+        ids[:, -1] = ids[:, 0]
+    else:
+        raise ValueError(f"unknown routing kind {kind!r}")
+    return ids.to(device)
+
+
+def fp8_ordinal(t: torch.Tensor) -> torch.Tensor:
+    """Signed position of each E4M3 value on the E4M3 number line (int32): neighbours differ by 1,
+    +0 and -0 are both 0. NaN maps to 127 (outside the finite range +-126)."""
+    bits = t.contiguous().view(torch.uint8).to(torch.int32)
+    magnitude = bits & 0x7F
+    return torch.where(((bits & 0x80) != 0) & (magnitude != 0x7F), -magnitude, magnitude)
+
+
+def assert_fp8_close(actual: torch.Tensor, expected: torch.Tensor, min_exact: float, name: str = "data") -> None:
+    """E4M3 tensors equal except at most a ``1 - min_exact`` fraction of elements, each of those one
+    E4M3 step from the expected value; NaN in exactly the same places.
+
+    For ops whose fp32 math includes a transcendental (exp) that the GPU, the CPU interpreter and
+    torch's CPU reference round differently by an ulp: such an ulp moves an E4M3 rounding only when
+    the value sits on a rounding boundary, i.e. rarely and by exactly one step.
+    """
+    assert actual.dtype == FP8_DTYPE == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
+    a, e = fp8_ordinal(actual.cpu()), fp8_ordinal(expected.cpu())
+    nan_a, nan_e = fp8_bits(actual.cpu()) == 0x7F, fp8_bits(expected.cpu()) == 0x7F
+    assert torch.equal(nan_a, nan_e), f"{name}: NaN at different places ({int((nan_a != nan_e).sum())} elements)"
+    differ = a != e
+    n_differ = int(differ.sum())
+    assert n_differ <= (1 - min_exact) * a.numel(), f"{name}: {n_differ} of {a.numel()} elements differ"
+    far = differ & ((a - e).abs() > 1)
+    assert not bool(far.any()), f"{name}: {int(far.sum())} elements more than one E4M3 step apart"

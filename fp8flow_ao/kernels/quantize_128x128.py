@@ -22,11 +22,23 @@ from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._triton_common import nan_free_abs, pow2_scale_inv_and_scale
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# One program owns one whole 128 x 128 tile: the amax needs every element of it, and 32 KiB of bf16
-# (64 KiB of fp32) per program keeps enough bytes in flight per SM for a memory-bound pass.
-# 8 warps leave each thread 64 elements (8 x 16-byte bf16 loads, 4 x 16-byte fp8 stores per output)
-# and a 16 KiB fp8 tile in shared memory for the transposed store.
-_NUM_WARPS = 8
+
+
+def quantize_128x128_configs() -> list[triton.Config]:
+    """Autotune candidates (GPU); the first is the default (the CPU interpreter, explicit calls).
+
+    The tile is fixed by the format: one program owns one whole 128 x 128 tile (the amax needs all
+    of it): 32 KiB of bf16 (64 KiB of fp32) read with 16-byte loads, written twice as fp8 with
+    16-byte stores. Only the occupancy is tuned. 8 warps need ~103 registers a thread for bf16
+    (ptxas, sm_90a): two programs per SM; capped at 80 (~28 spilled bytes) three fit. 16 and 4
+    warps are the neighbours, for a GPU where the balance differs.
+    """
+    return [
+        triton.Config({}, num_warps=8),
+        triton.Config({}, num_warps=8, maxnreg=80),
+        triton.Config({}, num_warps=16),
+        triton.Config({}, num_warps=4),
+    ]
 
 
 @triton.jit
@@ -81,14 +93,24 @@ def _allocate(w: torch.Tensor, with_transpose: bool) -> tuple[torch.Tensor, ...]
     return tuple(w.new_empty(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True))
 
 
-def launch_quantize_128x128(w: torch.Tensor, with_transpose: bool = True) -> tuple[torch.Tensor, ...]:
-    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`quantize_128x128`."""
+# Tuned per weight shape (N, K) and dtype: a handful of shapes per model, each tuned once.
+_tuned_kernel = triton.autotune(configs=quantize_128x128_configs(), key=["N", "K"])(_quantize_128x128_kernel)
+
+
+def launch_quantize_128x128(
+    w: torch.Tensor, with_transpose: bool = True, config: triton.Config | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`quantize_128x128`.
+
+    ``config=None`` autotunes on a GPU and takes the first of :func:`quantize_128x128_configs`
+    elsewhere (the interpreter cannot time kernels); tests pass each config to prove they agree.
+    """
     n, k = w.shape[-2:]
     data, scale_inv, data_t, scale_inv_t = _allocate(w, with_transpose)
     num_tiles = w.numel() // (BLOCK * BLOCK)
     if num_tiles == 0:
         return data, scale_inv, data_t, scale_inv_t
-    _quantize_128x128_kernel[(num_tiles,)](
+    args = (
         w,
         data,
         scale_inv,
@@ -96,10 +118,14 @@ def launch_quantize_128x128(w: torch.Tensor, with_transpose: bool = True) -> tup
         scale_inv_t if with_transpose else scale_inv,
         n,
         k,
-        WITH_TRANSPOSE=with_transpose,
-        TILE=BLOCK,
-        num_warps=_NUM_WARPS,
     )
+    if config is None and w.is_cuda:
+        _tuned_kernel[(num_tiles,)](*args, WITH_TRANSPOSE=with_transpose, TILE=BLOCK)
+    else:
+        c = config or quantize_128x128_configs()[0]
+        _quantize_128x128_kernel[(num_tiles,)](
+            *args, WITH_TRANSPOSE=with_transpose, TILE=BLOCK, num_warps=c.num_warps, maxnreg=c.maxnreg
+        )
     return data, scale_inv, data_t, scale_inv_t
 
 
@@ -114,7 +140,9 @@ def quantize_128x128_reference(w: torch.Tensor, with_transpose: bool = True) -> 
     scale_inv = tile_scale.reshape(*lead, nb, kb)
     if not with_transpose:
         return data, scale_inv, data.new_empty((0,)), scale_inv.new_empty((0,))
-    return data, scale_inv, data.transpose(-1, -2).contiguous(), scale_inv.transpose(-1, -2).contiguous()
+    # clone, not contiguous(): a transposed 1-tile-wide view is already contiguous and would alias.
+    data_t, scale_inv_t = (t.transpose(-1, -2).clone(memory_format=torch.contiguous_format) for t in (data, scale_inv))
+    return data, scale_inv, data_t, scale_inv_t
 
 
 @torch.library.custom_op("fp8flow::quantize_128x128", mutates_args=())

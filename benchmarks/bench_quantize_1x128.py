@@ -1,0 +1,51 @@
+"""quantize_1x128 against torch.compile(fullgraph=True) of ``quantize_1x128_reference``.
+
+Cases (PERF.md): M = 16384 and 32768 routed rows x D = 7168, bf16, with 1 x 128 blocks and with one
+scale per row (``block_k=None``, the row-wise recipe's cast). Bytes at the algorithmic minimum: read
+x (2 B/elem) + write data (1 B/elem) + write scale_inv (4 B per block). Issue targets: >= 80% of copy
+bandwidth, >= 1.3x the compiled reference.
+
+    python benchmarks/bench_quantize_1x128.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _bench import n_rotations, versus_baseline, write_results  # noqa: E402
+
+from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128, quantize_1x128_reference  # noqa: E402
+from fp8flow_ao.shapes import BENCH_ROUTED_ROWS, DEEPSEEK_V3  # noqa: E402
+
+BASELINE = "torch.compile(fullgraph=True) reference"
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("bench_quantize_1x128: no CUDA device, nothing to measure")
+        return
+    compiled = torch.compile(quantize_1x128_reference, fullgraph=True)
+    d = DEEPSEEK_V3.dim
+    rows = []
+    for block_k in (128, None):
+        for m in BENCH_ROUTED_ROWS:
+            blocks = m * (d // block_k if block_k else 1)
+            bytes_moved = 2 * m * d + m * d + 4 * blocks
+            sets = [
+                (torch.randn(m, d, device="cuda", dtype=torch.bfloat16), block_k)
+                for _ in range(n_rotations(bytes_moved))
+            ]
+            case = f"M={m} K={d} block_k={block_k}"
+            rows.append(versus_baseline(case, quantize_1x128, compiled, BASELINE, sets, bytes_moved))
+    notes = "bytes = read x bf16 + write fp8 data + fp32 scale_inv; block_k=None: one scale per row."
+    write_results("quantize_1x128", rows, notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""quantize_dual_1x128 (row-wise + column-wise FP8 from one read) against torch.compile(fullgraph=True)
+of ``quantize_dual_1x128_reference``.
+
+Cases (PERF.md): M = 16384 and 32768 routed rows x N = D = 7168 and N = 2H = 4096, bf16, without
+offsets; and with skewed (Zipf, empty experts) group end offsets of E = 32 experts in a buffer
+padded to the static bound M + 128 E, whose rows past the last group are not read. Bytes at the
+algorithmic minimum: read the rows before the last group end (2 B/elem) + write row_data and col_data
+(1 B/elem each over the whole buffer) + write both scale tensors (4 B per block).
+
+    python benchmarks/bench_quantize_dual_1x128.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _bench import n_rotations, skewed_counts, versus_baseline, write_results  # noqa: E402
+
+from fp8flow_ao._format import BLOCK  # noqa: E402
+from fp8flow_ao.kernels.quantize_dual_1x128 import (  # noqa: E402
+    quantize_dual_1x128,
+    quantize_dual_1x128_reference,
+)
+from fp8flow_ao.shapes import BENCH_ROUTED_ROWS, DEEPSEEK_V3  # noqa: E402
+
+BASELINE = "torch.compile(fullgraph=True) reference"
+D, TWO_H, E = DEEPSEEK_V3.dim, 2 * DEEPSEEK_V3.hidden, DEEPSEEK_V3.experts
+CASES = [(m, n, None) for m in BENCH_ROUTED_ROWS for n in (D, TWO_H)] + [(m, D, E) for m in BENCH_ROUTED_ROWS]
+
+
+def skewed_offsets(m: int, experts: int) -> torch.Tensor:
+    """int32 padded group end offsets of ``m`` rows routed Zipf-like over ``experts`` (some empty)."""
+    padded = [-(-c // BLOCK) * BLOCK for c in skewed_counts(m, experts)]
+    return torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32, device="cuda")
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("bench_quantize_dual_1x128: no CUDA device, nothing to measure")
+        return
+    compiled = torch.compile(quantize_dual_1x128_reference, fullgraph=True)
+    rows = []
+    for m, n, experts in CASES:
+        offsets = skewed_offsets(m, experts) if experts else None
+        buffer_rows = m + BLOCK * experts if experts else m
+        read_rows = int(offsets[-1]) if experts else m  # host read here, in the benchmark only
+        bytes_moved = 2 * read_rows * n + 2 * buffer_rows * n + 2 * 4 * buffer_rows * n // BLOCK
+        sets = [
+            (torch.randn(buffer_rows, n, device="cuda", dtype=torch.bfloat16), offsets)
+            for _ in range(n_rotations(bytes_moved))
+        ]
+        case = f"M={m} N={n}" + (f" skewed E={experts} buffer={buffer_rows} end={read_rows}" if experts else "")
+        rows.append(versus_baseline(case, quantize_dual_1x128, compiled, BASELINE, sets, bytes_moved))
+    notes = "bytes = read g bf16 (rows before the last group end) + write fp8 row/col data + fp32 scales."
+    write_results("quantize_dual_1x128", rows, notes)
+
+
+if __name__ == "__main__":
+    main()

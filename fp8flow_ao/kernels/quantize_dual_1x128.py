@@ -1,0 +1,209 @@
+"""quantize_dual_1x128: one read of BF16/FP16/FP32 ``g [M, N]`` -> row-wise and column-wise E4M3.
+
+The backward pass needs a gradient twice: row-wise (1 x 128 blocks along N, for the dgrad GEMM) and
+column-wise (128 x 1 blocks along M, physically transposed so tokens are contiguous, for the wgrad
+GEMM). One program reads a 128 x 128 tile of ``g`` once and writes both.
+
+Layouts (outputs contiguous): ``g`` row-major (last dim contiguous; the row stride is free).
+``row_data`` E4M3 ``[M, N]``, ``row_scale`` fp32 ``[M, N/128]`` (COMPACT row-wise).
+``col_data`` E4M3 ``[N, M]`` (``col_data[n, m]`` quantizes ``g[m, n]``), ``col_scale`` fp32
+``[M/128, N]``: one scale per (128-row block, column). Scales are dequantize multipliers.
+
+Expert groups: with int32 ``group_end_offsets [E]`` (padded ends, multiples of 128) the rows at or
+past the last offset are padding: never read, written as data 0 and scale 0 in both outputs. The
+last offset is read by the kernel on the device (no host sync). Because every group starts on a
+128-row boundary, no 128-row block of the column-wise output crosses an expert boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8flow_ao._checks import check_group_end_offsets, check_multiple, check_row_major, check_same_device, check_tensor
+from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels._triton_common import nan_free_abs, pow2_scale_inv_and_scale
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize_dual_1x128_configs() -> list[triton.Config]:
+    """Autotune candidates (GPU); the first is the default (the CPU interpreter, explicit calls).
+
+    The tile is fixed by the format: one program owns one 128 x 128 tile of ``g``, which is 128
+    row-wise blocks and 128 column-wise blocks at once, so every amax is complete inside it
+    (32 KiB of bf16 read, 16-byte loads and stores). Only the occupancy is tuned. With 8 warps the
+    tile needs ~144 registers a thread (ptxas, sm_90a), one program per SM (32 KiB in flight, and
+    nothing loads while it reduces and transposes); capping at 128 registers (~24 spilled bytes)
+    fits two. 16 warps capped at 64 also fit two (~80 spilled bytes). The uncapped 8 and 4 warps
+    are there for a GPU where spills cost more than occupancy buys.
+    """
+    return [
+        triton.Config({}, num_warps=8, maxnreg=128),
+        triton.Config({}, num_warps=16, maxnreg=64),
+        triton.Config({}, num_warps=8),
+        triton.Config({}, num_warps=4),
+    ]
+
+
+@triton.jit
+def _quantize_dual_1x128_kernel(
+    g_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    offsets_ptr,
+    M,
+    N,
+    stride_gm,
+    num_groups,
+    HAS_OFFSETS: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """One program: rows ``pid_m * TILE ...``, columns ``pid_n * TILE ...``; N tiles vary fastest so
+    neighbouring programs read neighbouring tiles of the same rows."""
+    pid = tl.program_id(0)
+    tiles_n = N // TILE
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
+    rows = pid_m * TILE + tl.arange(0, TILE)
+    cols = pid_n * TILE + tl.arange(0, TILE)
+    # The last padded group end, read on the device: rows at or past it are padding.
+    end = tl.load(offsets_ptr + num_groups - 1) if HAS_OFFSETS else M
+    row_ok = rows < end
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    # Padding rows are masked off (never read) and load as 0, so their data is written as +0.
+    x = tl.load(g_ptr + rows64[:, None] * stride_gm + cols64[None, :], mask=row_ok[:, None], other=0.0)
+    x = x.to(tl.float32)
+    a = nan_free_abs(x)
+    row_scale_inv, row_scale = pow2_scale_inv_and_scale(tl.max(a, axis=1))
+    col_scale_inv, col_scale = pow2_scale_inv_and_scale(tl.max(a, axis=0))
+    row_q = (x * row_scale[:, None]).to(tl.float8e4nv)
+    col_q = (x * col_scale[None, :]).to(tl.float8e4nv)
+    tl.store(row_data_ptr + rows64[:, None] * N + cols64[None, :], row_q)
+    tl.store(row_scale_ptr + rows64 * tiles_n + pid_n, tl.where(row_ok, row_scale_inv, 0.0))
+    # col_data[n, m] = quantized g[m, n]: tokens contiguous for the wgrad GEMM.
+    tl.store(col_data_ptr + cols64[:, None] * M + rows64[None, :], tl.trans(col_q))
+    block_ok = pid_m * TILE < end
+    tl.store(col_scale_ptr + pid_m.to(tl.int64) * N + cols64, tl.where(block_ok, col_scale_inv, 0.0))
+
+
+def _allocate(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, n = g.shape
+    return (
+        g.new_empty((m, n), dtype=FP8_DTYPE),
+        g.new_empty((m, n // BLOCK), dtype=torch.float32),
+        g.new_empty((n, m), dtype=FP8_DTYPE),
+        g.new_empty((m // BLOCK, n), dtype=torch.float32),
+    )
+
+
+# Tuned per N (and dtype) only: the token count M changes every step and must not trigger a re-tune.
+_tuned_kernel = triton.autotune(configs=quantize_dual_1x128_configs(), key=["N"])(_quantize_dual_1x128_kernel)
+
+
+def launch_quantize_dual_1x128(
+    g: torch.Tensor, group_end_offsets: torch.Tensor | None = None, config: triton.Config | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`quantize_dual_1x128`.
+
+    ``config=None`` autotunes on a GPU and takes the first of :func:`quantize_dual_1x128_configs` elsewhere
+    (the interpreter cannot time kernels); tests pass each config to prove they agree.
+    """
+    m, n = g.shape
+    row_data, row_scale, col_data, col_scale = _allocate(g)
+    num_tiles = (m // BLOCK) * (n // BLOCK)
+    if num_tiles == 0:
+        return row_data, row_scale, col_data, col_scale
+    has_offsets = group_end_offsets is not None
+    args = (
+        g,
+        row_data,
+        row_scale,
+        col_data,
+        col_scale,
+        group_end_offsets if has_offsets else row_scale,  # never read without offsets
+        m,
+        n,
+        g.stride(0),
+        group_end_offsets.shape[0] if has_offsets else 0,
+    )
+    if config is None and g.is_cuda:
+        _tuned_kernel[(num_tiles,)](*args, HAS_OFFSETS=has_offsets, TILE=BLOCK)
+    else:
+        c = config or quantize_dual_1x128_configs()[0]
+        _quantize_dual_1x128_kernel[(num_tiles,)](
+            *args, HAS_OFFSETS=has_offsets, TILE=BLOCK, num_warps=c.num_warps, maxnreg=c.maxnreg
+        )
+    return row_data, row_scale, col_data, col_scale
+
+
+def quantize_dual_1x128_reference(
+    g: torch.Tensor, group_end_offsets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference (the oracle and the CPU path): row-wise blocks of ``g`` and of ``g.T``, with
+    rows at or past the last group end zeroed (data 0, scale 0). Reads the offsets on the device."""
+    m = g.shape[0]
+    end = group_end_offsets[-1] if group_end_offsets is not None else m
+    row_ok = torch.arange(m, device=g.device) < end
+    block_ok = torch.arange(0, m, BLOCK, device=g.device) < end
+    g = torch.where(row_ok[:, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+    row_data, row_scale = quantize_rows_reference(g, BLOCK)
+    col_data, col_scale_t = quantize_rows_reference(g.t(), BLOCK)
+    row_scale = torch.where(row_ok[:, None], row_scale, 0.0)
+    col_scale = torch.where(block_ok[:, None], col_scale_t.t(), 0.0).contiguous()
+    return row_data, row_scale, col_data, col_scale
+
+
+@torch.library.custom_op("fp8flow::quantize_dual_1x128", mutates_args=())
+def _quantize_dual_1x128_op(
+    g: torch.Tensor, group_end_offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_dual_1x128_reference(g, group_end_offsets)
+
+
+_quantize_dual_1x128_op.register_kernel("cuda")(launch_quantize_dual_1x128)
+
+
+@_quantize_dual_1x128_op.register_fake
+def _(
+    g: torch.Tensor, group_end_offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _allocate(g)
+
+
+def quantize_dual_1x128(
+    g: torch.Tensor, group_end_offsets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``g`` to E4M3 row-wise (1 x 128 blocks) and column-wise (128 x 1 blocks) in one read.
+
+    Args:
+        g: ``[M, N]`` bf16, fp16 or fp32, row-major (last dim contiguous). ``M`` and ``N`` must be
+            multiples of 128.
+        group_end_offsets: optional int32 ``[E]`` padded group end offsets (non-decreasing, multiples
+            of 128, last <= M), on ``g``'s device. Rows at or past the last one are not read; their
+            outputs are data 0 and scale 0. Values are checked only with ``FP8FLOW_VALIDATE=1``.
+
+    Returns:
+        ``(row_data, row_scale, col_data, col_scale)``, all contiguous:
+
+        * ``row_data`` E4M3 ``[M, N]`` and ``row_scale`` fp32 ``[M, N/128]``: ``g[m, n] ~=
+          row_data[m, n] * row_scale[m, n // 128]`` (the dgrad operand).
+        * ``col_data`` E4M3 ``[N, M]`` (physically transposed, M contiguous) and ``col_scale`` fp32
+          ``[M/128, N]``: ``g[m, n] ~= col_data[n, m] * col_scale[m // 128, n]`` (the wgrad operand).
+
+        Scales are powers of two (the dequantize multiplier); ``+inf`` for a block holding ``+-inf``.
+    """
+    check_tensor("g", g, dtypes=_INPUT_DTYPES, ndim=2)
+    check_row_major("g", g)
+    check_multiple("g", g.shape[0], what="dim M (0)")
+    check_multiple("g", g.shape[1], what="dim N (1)")
+    if group_end_offsets is not None:
+        check_group_end_offsets("group_end_offsets", group_end_offsets, rows=g.shape[0])
+        if group_end_offsets.shape[0] == 0:
+            raise ValueError("group_end_offsets must hold at least one group, got shape (0,)")
+        check_same_device(g=g, group_end_offsets=group_end_offsets)
+    return torch.ops.fp8flow.quantize_dual_1x128(g, group_end_offsets)

@@ -1,0 +1,122 @@
+"""quantize_128x128: bit-exact against the reference (Triton on GPU, or the CPU interpreter), the exact
+transpose, op checks, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows
+
+from fp8flow_ao._format import FP8_MAX
+from fp8flow_ao.kernels.quantize_128x128 import (
+    launch_quantize_128x128,
+    quantize_128x128,
+    quantize_128x128_configs,
+    quantize_128x128_reference,
+)
+
+SHAPES = [(128, 128), (256, 384), (3, 128, 256), (0, 128, 128)]
+
+
+def _weights(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Random weights whose tiles span six decades, so every tile gets its own scale."""
+    rows = shape[-2] * (shape[0] if len(shape) == 3 else 1)
+    mag = torch.logspace(-3, 3, max(rows, 1))[:rows].reshape(*shape[:-1], 1)
+    return (torch.randn(shape) * mag).to(DEVICE, dtype)
+
+
+def _assert_outputs_equal(actual: tuple, expected: tuple) -> None:
+    for name, a, e in zip(("data", "scale_inv", "data_t", "scale_inv_t"), actual, expected, strict=True):
+        check = assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal
+        check(a, e, name)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_transpose", [True, False])
+def test_triton_matches_reference(shape, dtype, with_transpose):
+    w = _weights(shape, dtype)
+    out = launch_quantize_128x128(w, with_transpose)
+    _assert_outputs_equal(out, quantize_128x128_reference(w.cpu(), with_transpose))
+
+
+@pytest.mark.parametrize("config", quantize_128x128_configs(), ids=lambda c: f"warps{c.num_warps}-maxnreg{c.maxnreg}")
+def test_every_launch_config_matches_reference(config):
+    w = _weights((2, 256, 384), torch.bfloat16)
+    _assert_outputs_equal(launch_quantize_128x128(w, True, config), quantize_128x128_reference(w.cpu()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_edge_tiles_bit_exact(dtype):
+    # One expert per edge case: amax 448, just over 448, ties, tiny (subnormal) values, a zero tile,
+    # signed zeros, a NaN and an inf, each filling a whole 128 x 128 tile.
+    w = edge_case_rows(128 * 128, DEVICE, dtype).reshape(8, 128, 128)
+    _assert_outputs_equal(launch_quantize_128x128(w), quantize_128x128_reference(w.cpu()))
+
+
+def test_transpose_is_exact_and_tiles_have_one_scale():
+    w = _weights((2, 256, 384), torch.bfloat16)
+    data, scale_inv, data_t, scale_inv_t = launch_quantize_128x128(w)
+    assert_fp8_equal(data_t, data.transpose(-1, -2), "data_t")
+    assert_scales_equal(scale_inv_t, scale_inv.transpose(-1, -2), "scale_inv_t")
+    assert data.is_contiguous() and data_t.is_contiguous() and scale_inv_t.is_contiguous()
+    # one power-of-two scale per tile: the smallest that keeps the tile's amax within 448
+    amax = w.float().abs().reshape(2, 2, 128, 3, 128).amax(dim=(2, 4)).cpu()
+    scale_inv = scale_inv.cpu()
+    assert torch.equal(torch.frexp(scale_inv)[0], torch.full_like(scale_inv, 0.5))
+    assert bool((amax <= FP8_MAX * scale_inv).all()) and bool((amax > FP8_MAX * scale_inv / 2).all())
+
+
+def test_reference_special_tiles():
+    w = torch.zeros(256, 256)
+    w[128:, :128] = float("inf")
+    w[128:, 128:] = torch.randn(128, 128)
+    w[130, 140] = float("nan")
+    data, scale_inv, _, _ = quantize_128x128_reference(w)
+    assert bool((scale_inv[0] > 0).all()) and bool((data[:128].float() == 0).all())  # zero tiles: tiny scale
+    assert torch.isinf(scale_inv[1, 0]) and bool(torch.isnan(data[128:, :128].float()).all())
+    assert torch.isfinite(scale_inv[1, 1]) and torch.isnan(data[130, 140].float())  # NaN never sets the scale
+
+
+@pytest.mark.gpu
+def test_deepseek_weight_shape_on_gpu():
+    w = _weights((2, 4096, 7168), torch.bfloat16)
+    _assert_outputs_equal(launch_quantize_128x128(w), quantize_128x128_reference(w))
+
+
+@pytest.mark.parametrize("with_transpose", [True, False])
+@pytest.mark.parametrize("shape", [(256, 384), (2, 128, 256)])
+def test_op_dispatch_and_compile(with_transpose, shape):
+    w = _weights(shape, torch.bfloat16)
+    eager = quantize_128x128(w, with_transpose)
+    compiled = torch.compile(quantize_128x128, fullgraph=True)(w, with_transpose)
+    assert (eager[2] is None) == (not with_transpose) == (compiled[2] is None) == (compiled[3] is None)
+    for a, e in zip(compiled, eager, strict=True):
+        if e is not None:
+            (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e)
+
+
+@pytest.mark.parametrize("with_transpose", [True, False])
+def test_opcheck(with_transpose):
+    w = _weights((2, 128, 256), torch.bfloat16)
+    torch.library.opcheck(torch.ops.fp8flow.quantize_128x128.default, (w, with_transpose))
+
+
+@pytest.mark.parametrize(
+    ("w", "with_transpose", "error", "match"),
+    [
+        (torch.zeros(128, 128, dtype=torch.int32), True, TypeError, "w must have dtype"),
+        (torch.zeros(128 * 128), True, ValueError, "w must have 2 or 3 dims"),
+        (torch.zeros(1, 1, 128, 128), True, ValueError, "w must have 2 or 3 dims"),
+        (torch.zeros(100, 128), True, ValueError, r"w dim N \(-2\) must be a multiple of 128"),
+        (torch.zeros(2, 128, 200), True, ValueError, r"w dim K \(-1\) must be a multiple of 128"),
+        (torch.zeros(256, 128).t(), True, ValueError, "w must be contiguous"),
+        (torch.zeros(128, 512)[:, :256], True, ValueError, "w must be contiguous"),
+        (torch.zeros(128, 128), 1, TypeError, "with_transpose must be a bool"),
+        ([[1.0]], True, TypeError, "w must be a torch.Tensor"),
+    ],
+)
+def test_bad_input(w, with_transpose, error, match):
+    with pytest.raises(error, match=match):
+        quantize_128x128(w, with_transpose)
