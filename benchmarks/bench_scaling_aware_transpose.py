@@ -1,0 +1,102 @@
+"""Benchmark scaling_aware_transpose against torch.compile(fullgraph=True) of its torch reference and
+of the naive dequantize -> transpose -> requantize path (BF16 in between), at the PERF.md shapes.
+
+Bytes at the algorithmic minimum: read the data and scales of the rows before the last group end
+(``rows * K`` + ``rows * K / 128 * 4``), write every output once (``M * K`` + ``M / 128 * K * 4``,
+``M`` = the padded buffer's rows). Run: ``python benchmarks/bench_scaling_aware_transpose.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _bench import (  # noqa: E402
+    balanced_counts,
+    bench_us,
+    n_rotations,
+    row,
+    skewed_counts,
+    versus_baseline,
+    write_results,
+)
+
+from fp8flow_ao._format import BLOCK, quantize_rows_reference  # noqa: E402
+from fp8flow_ao.kernels.scaling_aware_transpose import (  # noqa: E402
+    _autotuned_kernel,
+    dequantize_transpose_requantize_reference,
+    scaling_aware_transpose,
+    scaling_aware_transpose_reference,
+)
+from fp8flow_ao.shapes import BENCH_ROUTED_ROWS, DEEPSEEK_V3, DEEPSEEK_V3_E8  # noqa: E402
+
+# K = the hidden size D (7168: FC1 wgrad operand x) and the expert ffn size H (2048: FC2 wgrad
+# operand a); routing: balanced over 8 experts, Zipf-skewed over 32 with empty experts.
+HIDDEN_SIZES = (DEEPSEEK_V3.dim, DEEPSEEK_V3.hidden)
+ROUTINGS = (("balanced", DEEPSEEK_V3_E8.experts), ("skewed", DEEPSEEK_V3.experts))
+
+
+def grouped_inputs(counts: list[int], k: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row-wise FP8 activations of expert groups padded to 128 rows, in a buffer of the static upper
+    bound ``sum(counts)`` rounded up to 128 ``+ 128 * E`` rows; rows of very different scales; pad rows data 0, scale 0."""
+    m = BLOCK * (-(-sum(counts) // BLOCK) + len(counts))
+    padded = torch.tensor([-(-c // BLOCK) * BLOCK for c in counts])
+    ends = torch.cumsum(padded, 0)
+    is_pad = torch.arange(m) < ends[-1]
+    for start, count in zip((ends - padded).tolist(), counts, strict=True):
+        is_pad[start : start + count] = False
+    is_pad = is_pad.to(device)
+    x = torch.randn(m, k, device=device) * 2.0 ** torch.randint(-8, 9, (m, 1), device=device)
+    x[is_pad] = 0
+    data, scale_inv = quantize_rows_reference(x.bfloat16(), BLOCK)
+    scale_inv[is_pad] = 0
+    return data, scale_inv, ends.to(device=device, dtype=torch.int32)
+
+
+def bytes_moved(m: int, k: int, rows_read: int) -> int:
+    return rows_read * k + rows_read * (k // BLOCK) * 4 + m * k + (m // BLOCK) * k * 4
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("bench_scaling_aware_transpose: no CUDA device, nothing to measure")
+        return
+    compiled_ref = torch.compile(scaling_aware_transpose_reference, fullgraph=True)
+    compiled_naive = torch.compile(dequantize_transpose_requantize_reference, fullgraph=True)
+    rows = []
+    for k in HIDDEN_SIZES:
+        for m_routed in BENCH_ROUTED_ROWS:
+            for routing, experts in ROUTINGS:
+                counts = (balanced_counts if routing == "balanced" else skewed_counts)(m_routed, experts)
+                first = grouped_inputs(counts, k)
+                m = first[0].shape[0]
+                sets = [first] + [grouped_inputs(counts, k) for _ in range(n_rotations(2 * m * k) - 1)]
+                for t in (t for tensors in sets for t in tensors):  # tokens and experts vary: one graph for all
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                case = f"M={m_routed} K={k} E={experts} {routing}"
+                rows_read = int(first[2][-1])
+                nbytes = bytes_moved(m, k, rows_read)
+                vs_ref = versus_baseline(
+                    case, scaling_aware_transpose, compiled_ref, "torch.compile reference", sets, nbytes
+                )
+                extra = {"rows_buffer": m, "rows_read": rows_read, "config": str(_autotuned_kernel.best_config)}
+                vs_ref.update(extra)
+                naive_us = bench_us(compiled_naive, sets)
+                naive_name = "torch.compile dequantize->transpose->requantize"
+                rows += [vs_ref, row(case, vs_ref["ours_us"], naive_name, naive_us, bytes_moved=nbytes, **extra)]
+                del sets, first
+                torch.cuda.empty_cache()
+    write_results(
+        "scaling_aware_transpose",
+        rows,
+        notes="Bytes: read data + scales of the rows before the last group end, write data_t + scale_inv_t once.",
+    )
+
+
+if __name__ == "__main__":
+    main()
