@@ -122,3 +122,9 @@ def assert_fp8_close(actual: torch.Tensor, expected: torch.Tensor, min_exact: fl
     assert n_differ <= (1 - min_exact) * a.numel(), f"{name}: {n_differ} of {a.numel()} elements differ"
     far = differ & ((a - e).abs() > 1)
     assert not bool(far.any()), f"{name}: {int(far.sum())} elements more than one E4M3 step apart"
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio ``10 log10(||ref||^2 / ||ref - out||^2)`` in dB (fp64)."""
+    ref, out = ref.detach().double(), out.detach().double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))

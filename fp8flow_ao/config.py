@@ -1,0 +1,170 @@
+"""``FP8FlowConfig``: turn on FP8-Flow for a model's MoE layers with torchao's ``quantize_``.
+
+Usage::
+
+    from torchao.quantization import quantize_
+    from fp8flow_ao.config import FP8FlowConfig
+
+    quantize_(model, FP8FlowConfig())                          # every torchtitan-style MoE layer
+    quantize_(model, FP8FlowConfig(recompute_experts=True))   # keep only the FP8 expert input
+    quantize_(model, FP8FlowConfig(module_filter=lambda m, fqn: fqn != "layers.0.moe"))
+
+What gets converted: torchtitan-style MoE layers (a module with ``.router`` and ``.experts``
+holding 3-D ``w1``, ``w2``, ``w3``; :func:`fp8flow_ao.moe.is_moe_layer`).
+
+* ``recipe="blockwise"`` (default, FP8-Flow): the layer runs the fused FP8 expert path of
+  :mod:`fp8flow_ao.moe`; its parameters stay plain.
+* ``recipe="rowwise"`` (for comparison with torchao's FP8 row-wise MoE training): the layer keeps
+  torchtitan's forward and its expert weights become :class:`~fp8flow_ao.tensor.FP8FlowExpertWeight`,
+  so each ``torch._grouped_mm`` runs the row-wise FP8 grouped GEMM. That GEMM needs 128-aligned
+  expert groups, so this recipe sets torchtitan's process-wide token group alignment to 128.
+
+Either way ``model.state_dict()`` holds plain tensors under the original keys, so checkpoints move
+freely between converted and unconverted models.
+
+How the plain call ``quantize_(model, FP8FlowConfig())`` reaches the MoE layers: torchao 0.18's
+``quantize_`` hands the handler only the modules its ``filter_fn`` accepts, and the default filter
+accepts ``nn.Linear`` modules only (there is no per-config default filter). Every torchtitan MoE
+layer holds one (``router.gate``), so the handler receives those; on the first one it looks up the
+model ``quantize_`` was called on (the ``model`` argument of the ``quantize_`` call frames on the
+stack: torchao keeps no other reference to it) and converts every MoE layer of that model at once,
+raising if there is none; Linear modules are returned untouched. Passing
+``filter_fn=fp8flow_ao.moe.is_moe_layer`` instead hands the MoE layers to the handler directly. The
+conversion itself is :func:`convert_to_fp8flow`, which needs no ``quantize_`` at all.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+from torchao.core.config import AOBaseConfig
+from torchao.quantization import quant_api
+from torchao.quantization.transform_module import register_quantize_module_handler
+
+from fp8flow_ao.grouped_mm import RECIPES
+from fp8flow_ao.moe import check_moe_layer, convert_moe_layer, is_moe_layer
+from fp8flow_ao.tensor import wrap_expert_weights
+
+# FP8-Flow's token groups are 128-row aligned (1x128 / 128x128 blocks never straddle two experts).
+TOKEN_GROUP_ALIGNMENT = 128
+
+
+@dataclass
+class FP8FlowConfig(AOBaseConfig):
+    """Configuration of the FP8-Flow MoE training recipe for ``torchao.quantization.quantize_``.
+
+    Attributes:
+        recompute_experts: keep only the FP8 expert input (+ scales, probs, routing) for backward and
+            recompute FC1 and SwiGLU there; gradients are bit-identical, activation memory lower.
+            ``recipe="blockwise"`` only.
+        recipe: ``"blockwise"`` (FP8-Flow: 1x128 activations, 128x128 weights, fused expert path) or
+            ``"rowwise"`` (per-row scales and ``torch._scaled_grouped_mm`` on torchtitan's own
+            expert path; a baseline for comparison with torchao's row-wise recipe).
+        module_filter: ``(module, fqn) -> bool`` choosing which MoE layers to convert (all when
+            ``None``). It is called on MoE layers only.
+    """
+
+    recompute_experts: bool = False
+    recipe: Literal["blockwise", "rowwise"] = "blockwise"
+    module_filter: Callable[[nn.Module, str], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recompute_experts, bool):
+            raise TypeError(f"recompute_experts must be a bool, got {type(self.recompute_experts).__name__}")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {RECIPES}, got {self.recipe!r}")
+        if self.recompute_experts and self.recipe != "blockwise":
+            raise ValueError("recompute_experts=True needs recipe='blockwise' (the fused FP8-Flow expert path)")
+        if self.module_filter is not None and not callable(self.module_filter):
+            raise TypeError(f"module_filter must be callable (module, fqn) -> bool, got {self.module_filter!r}")
+
+
+def _set_torchtitan_alignment() -> None:
+    """torchtitan pads each expert's token group to this many rows before ``torch._grouped_mm``."""
+    try:
+        from torchtitan.models.moe import utils as moe_utils
+    except ImportError as err:
+        raise ValueError("recipe='rowwise' runs torchtitan's own expert path: it needs torchtitan installed") from err
+
+    moe_utils.set_token_group_alignment_size_m(TOKEN_GROUP_ALIGNMENT)
+
+
+def _convert_layer(module: nn.Module, config: FP8FlowConfig, fqn: str) -> None:
+    if config.recipe == "blockwise":
+        convert_moe_layer(module, recompute_experts=config.recompute_experts, fqn=fqn)
+        return
+    check_moe_layer(module, fqn)
+    _set_torchtitan_alignment()
+    module.experts.use_grouped_mm = True  # the row-wise GEMM is reached through torch._grouped_mm
+    wrap_expert_weights(module.experts, recipe="rowwise")
+
+
+def convert_to_fp8flow(model: nn.Module, config: FP8FlowConfig | None = None) -> nn.Module:
+    """Convert every MoE layer of ``model`` (``model`` itself included) that ``config.module_filter`` accepts.
+
+    In place; returns ``model``. Raises ``ValueError`` when no MoE layer is found (or none passes
+    the filter), when a layer is already converted, when ``score_before_experts=True``, or when
+    ``D`` or ``H`` is not a multiple of 128.
+    """
+    config = config or FP8FlowConfig()
+    layers = [(fqn, m) for fqn, m in model.named_modules() if is_moe_layer(m)]
+    chosen = [(fqn, m) for fqn, m in layers if config.module_filter is None or config.module_filter(m, fqn)]
+    if not chosen:
+        found = f"{len(layers)} MoE layer(s), none accepted by module_filter" if layers else "no MoE layer"
+        raise ValueError(
+            f"FP8FlowConfig found {found} in {type(model).__name__}: it converts torchtitan-style MoE "
+            "layers (a module with .router and .experts holding 3-D w1, w2, w3)"
+        )
+    for fqn, module in chosen:  # check every layer first: a bad one leaves the model untouched
+        check_moe_layer(module, fqn)
+    for fqn, module in chosen:
+        _convert_layer(module, config, fqn)
+    return model
+
+
+# Which config last converted a model through quantize_: the handler runs once per nn.Linear of the
+# model, and only the first call of a quantize_ call converts (later ones see this entry).
+_CONVERTED_BY: weakref.WeakKeyDictionary[nn.Module, FP8FlowConfig] = weakref.WeakKeyDictionary()
+
+
+def _quantize_call_frames() -> list:
+    """The frames of torchao's recursion (``_replace_with_custom_fn_if_matches_filter``), outermost first."""
+    code = quant_api._replace_with_custom_fn_if_matches_filter.__code__
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            frames.append(frame)
+        frame = frame.f_back
+    return frames[::-1]
+
+
+def _fqn_in_quantize_call() -> str:
+    frames = _quantize_call_frames()
+    return frames[-1].f_locals["cur_fqn"][:-1] if frames else ""
+
+
+@register_quantize_module_handler(FP8FlowConfig)
+def _fp8flow_transform(module: nn.Module, config: FP8FlowConfig) -> nn.Module:
+    """``quantize_`` handler: a MoE layer (``filter_fn=is_moe_layer``) or, with the default filter, an ``nn.Linear``."""
+    if is_moe_layer(module):
+        fqn = _fqn_in_quantize_call()
+        if config.module_filter is None or config.module_filter(module, fqn):
+            _convert_layer(module, config, fqn)
+        return module
+    frames = _quantize_call_frames()
+    if not frames:
+        raise RuntimeError(
+            "FP8FlowConfig's handler could not find the model quantize_ is converting; call "
+            "fp8flow_ao.config.convert_to_fp8flow(model, config) or quantize_(model, config, "
+            "filter_fn=fp8flow_ao.moe.is_moe_layer)"
+        )
+    root = frames[0].f_locals["model"]
+    if _CONVERTED_BY.get(root) is not config:
+        convert_to_fp8flow(root, config)
+        _CONVERTED_BY[root] = config
+    return module

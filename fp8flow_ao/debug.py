@@ -1,0 +1,40 @@
+"""Debug helpers: count the fp8flow ops a step runs, the explicit BF16->FP8 casts among them.
+
+FP8-Flow's promise is two explicit activation casts per MoE layer per step (the layer input in
+forward, the output gradient in backward); every other FP8 tensor comes out of a fused kernel
+(permute, SwiGLU+quant, the scaling-aware transpose) and weights are quantized once per step.
+:class:`FP8FlowOpCounter` checks that from the outside: it sees every ``fp8flow::*`` op call that
+goes through the dispatcher (forward and backward, eager mode), not what happens inside one.
+
+    with FP8FlowOpCounter() as counter:
+        model(x).sum().backward()
+    assert counter.activation_casts == 2 * num_moe_layers
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops that take a BF16/FP32 activation or gradient to FP8 on their own: the casts FP8-Flow counts.
+# (swiglu_quant* quantize inside a fused op; quantize_128x128 quantizes weights.)
+ACTIVATION_CAST_OPS = ("quantize_1x128", "quantize_dual_1x128")
+
+
+class FP8FlowOpCounter(TorchDispatchMode):
+    """Dispatch mode that counts ``fp8flow::<op>`` calls by op name in :attr:`counts`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fp8flow":
+            self.counts[func._opname] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def activation_casts(self) -> int:
+        """Explicit BF16/FP32 -> FP8 activation/gradient casts seen (see ``ACTIVATION_CAST_OPS``)."""
+        return sum(self.counts[name] for name in ACTIVATION_CAST_OPS)

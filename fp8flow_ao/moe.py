@@ -1,0 +1,318 @@
+"""The FP8-Flow routed-expert path of a torchtitan-style MoE layer (DESIGN.md, "Dataflow").
+
+One autograd Function, :class:`_FP8FlowRoutedExperts`, runs everything between the router and the
+combined output, with exactly two explicit BF16->FP8 casts per step (``x`` in forward, ``dy`` in
+backward; every other FP8 tensor comes out of a fused kernel)::
+
+    forward   x -Q1-> x8 -> permute_pad (data, scales, probs) -> FC1 (W13 = [w1; w3], 128x128)
+              -> h -> swiglu_quant (x prob) -> a8 -> FC2 (w2) -> y -> unpermute_unpad (sum over top-k)
+    backward  dy -Q2-> dy8 -> permute_pad_rows -> FC2 dgrad (exact FP8 w2^T) + FC2 wgrad
+              (scaling-aware transposes of dy8 and a8) -> swiglu_quant_backward (row- and column-wise
+              dh, grad of the permuted probs) -> FC1 dgrad (exact FP8 W13^T) + FC1 wgrad
+              (scaling-aware transpose of x8) -> unpermute_unpad (sum over top-k) -> dx
+
+The router probability multiplies inside SwiGLU, so the combine is an unweighted sum: the same
+function as torchtitan's ``score_before_experts=False``.
+
+Saved for backward: ``x8`` + scales ``[T, D]`` (FP8, never BF16; re-permuted in backward, k times
+smaller than the permuted rows), the permuted probs, the routing maps and offsets, the FP8 weights
+(the exact transposes for dgrad), and either ``h`` (BF16 ``[M, 2H]``, which SwiGLU's backward needs
+exactly) + ``a8`` (FP8, FC2's wgrad operand), or, with ``recompute_experts=True``, no FC1 output
+at all (only FC1's forward-orientation FP8 weight): FC1 and swiglu_quant run again in backward on
+the same FP8 operands, so the gradients are bit-identical to the stored path.
+
+:func:`convert_moe_layer` installs the path on a torchtitan ``MoE`` module in place (its class is
+swapped for a subclass whose ``forward`` runs this path; parameters, buffers, submodules and
+``state_dict`` keys stay what they are). The router, shared experts, ``expert_bias`` and the
+``tokens_per_expert`` load-balance bookkeeping are the layer's own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp8flow_ao._checks import check_multiple, check_row_major, check_same_device, check_tensor
+from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import grouped_gemm_fp8_blockwise
+from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
+from fp8flow_ao.kernels.permute_pad import permute_pad, permute_pad_rows
+from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
+from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
+from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose
+from fp8flow_ao.kernels.swiglu_quant import swiglu_quant, swiglu_quant_backward
+from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
+
+_HP_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _quantize_w13(w1: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """FP8 ``W13 = cat([w1, w3], dim=1)`` ``[E, 2H, D]`` and its exact transpose ``[E, D, 2H]``.
+
+    w1 and w3 are quantized separately and their FP8 tiles concatenated: H is a multiple of 128, so
+    no 128x128 tile spans both and the result equals quantizing the BF16 concatenation, while the
+    copy moves 1-byte instead of 2/4-byte elements.
+    """
+    q1, q3 = quantize_128x128(w1.contiguous()), quantize_128x128(w3.contiguous())
+    data, scale = torch.cat([q1[0], q3[0]], dim=1), torch.cat([q1[1], q3[1]], dim=1)
+    data_t, scale_t = torch.cat([q1[2], q3[2]], dim=2), torch.cat([q1[3], q3[3]], dim=2)
+    return data, scale, data_t, scale_t
+
+
+def _fc1_swiglu(
+    xp: torch.Tensor,
+    xp_scale: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    probs: torch.Tensor,
+    offs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FC1 + SwiGLU(x prob) + quant: ``h`` BF16 ``[M, 2H]`` and ``a8`` + scales ``[M, H]`` (forward and recompute)."""
+    h = grouped_gemm_fp8_blockwise(xp, xp_scale, w13, w13_scale, offs, out_dtype=torch.bfloat16)
+    a_data, a_scale = swiglu_quant(h, probs, offs)
+    return h, a_data, a_scale
+
+
+class _FP8FlowRoutedExperts(torch.autograd.Function):
+    """Routed experts of one MoE layer, top-k combine included: ``[T, D]`` tokens -> ``[T, D]`` output."""
+
+    @staticmethod
+    def forward(ctx, x, probs, expert_indices, w1, w2, w3, recompute):
+        num_experts, top_k = w1.shape[0], expert_indices.shape[1]
+        # Cast 1 of 2: x [T, D] -> 1x128 FP8 row-wise, before dispatch; everything after stays FP8.
+        x_data, x_scale = quantize_1x128(x)
+        routed = permute_pad(x_data, x_scale, expert_indices, probs.detach(), num_experts)
+        offs = routed.group_end_offsets
+        # Weights: 128x128 tiles once per step, with the exact transposes for the dgrads.
+        w13_data, w13_scale, w13_t_data, w13_t_scale = _quantize_w13(w1, w3)
+        w2_data, w2_scale, w2_t_data, w2_t_scale = quantize_128x128(w2.contiguous())
+        h, a_data, a_scale = _fc1_swiglu(routed.data, routed.scale_inv, w13_data, w13_scale, routed.probs, offs)
+        y = grouped_gemm_fp8_blockwise(a_data, a_scale, w2_data, w2_scale, offs, out_dtype=torch.bfloat16)
+        out = unpermute_unpad(y, routed.dst_rows, top_k)
+
+        fc1_saved = (w13_data, w13_scale) if recompute else (h, a_data, a_scale)
+        ctx.save_for_backward(
+            x_data,
+            x_scale,
+            routed.probs,
+            routed.src_rows,
+            routed.dst_rows,
+            offs,
+            w13_t_data,
+            w13_t_scale,
+            w2_t_data,
+            w2_t_scale,
+            *fc1_saved,
+        )
+        ctx.recompute, ctx.top_k = recompute, top_k
+        ctx.dtypes = (x.dtype, probs.dtype, w1.dtype, w2.dtype, w3.dtype)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x_data, x_scale, probs_p, src_rows, dst_rows, offs, w13_t, w13_t_scale, w2_t, w2_t_scale, *fc1_saved) = (
+            ctx.saved_tensors
+        )
+        top_k = ctx.top_k
+        x_dtype, probs_dtype, w1_dtype, w2_dtype, w3_dtype = ctx.dtypes
+        # The token rows again, in the forward's padded expert-major order (a gather, no cast).
+        xp, xp_scale = permute_pad_rows(x_data, x_scale, src_rows, top_k)
+        if ctx.recompute:
+            h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, *fc1_saved, probs_p, offs)
+        else:
+            h, a_data, a_scale = fc1_saved
+
+        # Cast 2 of 2: dy [T, D] -> 1x128 FP8 row-wise, then the same gather as x (the combine's backward).
+        dy_data, dy_scale = quantize_1x128(grad_out.contiguous())
+        dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, top_k)
+
+        # FC2 dgrad: da [M, H] = dy @ w2 per expert, RHS = exact FP8 w2^T [E, H, D].
+        grad_a = grouped_gemm_fp8_blockwise(dyp, dyp_scale, w2_t, w2_t_scale, offs, out_dtype=torch.bfloat16)
+        # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
+        dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
+        a_t, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
+        grad_w2 = grouped_gemm_fp8_wgrad(dyp_t, dyp_t_scale, a_t, a_t_scale, offs)
+
+        # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
+        dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs)
+        # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
+        grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, w13_t, w13_t_scale, offs, out_dtype=torch.bfloat16)
+        # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8.
+        xp_t, xp_t_scale = scaling_aware_transpose(xp, xp_scale, offs)
+        grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs)
+
+        # Back to tokens: dx[t] = sum over the token's k rows; grad probs[t, j] = its row's value.
+        grad_x = unpermute_unpad(grad_xp, dst_rows, top_k).to(x_dtype)
+        grad_probs = grad_probs_p.index_select(0, dst_rows).view(-1, top_k).to(probs_dtype)
+        grad_w1, grad_w3 = grad_w13.chunk(2, dim=1)
+        return (grad_x, grad_probs, None, grad_w1.to(w1_dtype), grad_w2.to(w2_dtype), grad_w3.to(w3_dtype), None)
+
+
+def fp8flow_routed_experts(
+    x: torch.Tensor,
+    top_scores: torch.Tensor,
+    selected_experts_indices: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    recompute_experts: bool = False,
+) -> torch.Tensor:
+    """FP8-Flow routed experts with the top-k combine: ``sum_j top_scores[t, j] * expert_j(x[t])``.
+
+    Equal in function to torchtitan's routed path with ``score_before_experts=False`` (the experts
+    ``w2 @ (silu(w1 x) * w3 x)``), computed on FP8 operands (see the module docstring).
+
+    Args:
+        x: ``[T, D]`` bf16 (or fp32) tokens, row-major; ``D`` a multiple of 128.
+        top_scores: ``[T, k]`` fp32 (or bf16) router probabilities of the chosen experts; differentiable.
+        selected_experts_indices: ``[T, k]`` int32/int64 expert ids in ``[0, E)``.
+        w1, w3: ``[E, H, D]``; w2: ``[E, D, H]`` (torchtitan ``GroupedExperts``), bf16 or fp32;
+            ``H`` a multiple of 128.
+        recompute_experts: keep only the FP8 ``x`` (+ probs, routing) for backward and recompute
+            FC1 + SwiGLU there (bit-identical gradients, less activation memory).
+
+    Returns:
+        ``[T, D]`` in ``x``'s dtype. Gradients flow to ``x``, ``top_scores``, ``w1``, ``w2``, ``w3``.
+    """
+    check_tensor("x", x, dtypes=_HP_DTYPES, ndim=2)
+    check_row_major("x", x)
+    for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
+        check_tensor(name, w, dtypes=_HP_DTYPES, ndim=3)
+    num_experts, hidden, dim = w1.shape
+    if tuple(w3.shape) != (num_experts, hidden, dim) or tuple(w2.shape) != (num_experts, dim, hidden):
+        raise ValueError(
+            f"expert weights must be w1, w3 [E, H, D] and w2 [E, D, H]; got w1 {tuple(w1.shape)}, "
+            f"w2 {tuple(w2.shape)}, w3 {tuple(w3.shape)}"
+        )
+    if x.shape[1] != dim:
+        raise ValueError(f"x must be [T, D={dim}] (the experts' D), got shape {tuple(x.shape)}")
+    check_multiple("x", dim, what="hidden dim D")
+    check_multiple("w1", hidden, what="expert ffn dim H")
+    check_tensor("top_scores", top_scores, dtypes=_HP_DTYPES, ndim=2)
+    check_tensor("selected_experts_indices", selected_experts_indices, dtypes=(torch.int32, torch.int64), ndim=2)
+    if top_scores.shape != selected_experts_indices.shape or top_scores.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"top_scores {tuple(top_scores.shape)} and selected_experts_indices "
+            f"{tuple(selected_experts_indices.shape)} must both be [T={x.shape[0]}, k]"
+        )
+    check_same_device(x=x, top_scores=top_scores, selected_experts_indices=selected_experts_indices, w1=w1)
+    return _FP8FlowRoutedExperts.apply(x, top_scores, selected_experts_indices, w1, w2, w3, bool(recompute_experts))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The layer: torchtitan MoE / GroupedExperts with the FP8-Flow forward
+# ---------------------------------------------------------------------------------------------------
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """A DTensor weight's local shard (torchtitan's ``GroupedExperts`` does the same), else ``w``."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+class FP8FlowGroupedExperts:
+    """Mixin over torchtitan's ``GroupedExperts``: ``forward(x, top_scores, indices)`` = routed path + combine.
+
+    Running the path inside the experts module keeps FSDP2's pre-forward hooks (which unshard
+    ``w1/w2/w3`` when the experts are sharded on their own) in effect.
+    """
+
+    fp8flow_recompute_experts: bool = False
+
+    def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        return fp8flow_routed_experts(
+            x, top_scores, selected_experts_indices, w1, w2, w3, recompute_experts=self.fp8flow_recompute_experts
+        )
+
+
+class FP8FlowMoE:
+    """Mixin over torchtitan's ``MoE``: its ``forward`` with the routed experts on the FP8-Flow path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, selected_experts_indices, num_tokens_per_expert = self.router(x, self.expert_bias)
+        # Load-balance bookkeeping exactly as torchtitan (read by its expert-bias update hook).
+        with torch.no_grad():
+            self.tokens_per_expert.add_(num_tokens_per_expert)
+        out = self.experts(x, top_scores, selected_experts_indices)
+        if self.shared_experts is not None:
+            out = self.shared_experts(x) + out
+        return out.reshape(bs, slen, dim)
+
+
+_SWAPPED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    """Give ``module`` the class ``(mixin, type(module))``, made once per original class."""
+    cls = type(module)
+    key = (cls, mixin)
+    if key not in _SWAPPED_CLASSES:
+        _SWAPPED_CLASSES[key] = type(f"FP8Flow{cls.__name__}", (mixin, cls), {"__module__": __name__})
+    module.__class__ = _SWAPPED_CLASSES[key]
+
+
+def is_moe_layer(module: nn.Module, fqn: str = "") -> bool:
+    """True for a torchtitan-style MoE layer: a ``router`` and ``experts`` holding 3-D ``w1``, ``w2``, ``w3``.
+
+    Takes ``quantize_``'s ``filter_fn`` arguments (``fqn`` is unused), so it can serve as one.
+    """
+    experts = getattr(module, "experts", None)
+    return (
+        isinstance(module, nn.Module)
+        and isinstance(getattr(module, "router", None), nn.Module)
+        and isinstance(experts, nn.Module)
+        and all(
+            isinstance(getattr(experts, n, None), torch.Tensor) and getattr(experts, n).dim() == 3
+            for n in ("w1", "w2", "w3")
+        )
+    )
+
+
+def is_converted(module: nn.Module) -> bool:
+    """True if :func:`convert_moe_layer` (either recipe) already ran on this MoE layer."""
+    from fp8flow_ao.tensor import FP8FlowExpertWeight
+
+    return isinstance(module, FP8FlowMoE) or isinstance(getattr(module.experts, "w1", None), FP8FlowExpertWeight)
+
+
+def check_moe_layer(module: nn.Module, fqn: str = "") -> None:
+    """Raise ``ValueError`` unless ``module`` is an unconverted MoE layer this path supports."""
+    where = f"MoE layer {fqn!r}" if fqn else f"MoE layer {type(module).__name__}"
+    if not is_moe_layer(module):
+        raise ValueError(f"{where}: needs .router and .experts with 3-D w1, w2, w3 (torchtitan MoE / GroupedExperts)")
+    if is_converted(module):
+        raise ValueError(f"{where} is already converted to FP8-Flow; quantize_ must run once per model")
+    if getattr(module, "score_before_experts", False):
+        raise ValueError(
+            f"{where} has score_before_experts=True; FP8-Flow applies the router score inside SwiGLU, "
+            "which is torchtitan's score_before_experts=False (MoEArgs(score_before_experts=False), "
+            "as torchtitan's DeepSeek-V3 and Qwen3 configs use)"
+        )
+    missing = [n for n in ("expert_bias", "tokens_per_expert", "shared_experts") if not hasattr(module, n)]
+    if missing or not hasattr(module.router, "top_k"):
+        raise ValueError(f"{where}: missing torchtitan MoE attributes {missing or ['router.top_k']}")
+    e, h, d = module.experts.w1.shape
+    shapes = {n: tuple(getattr(module.experts, n).shape) for n in ("w1", "w2", "w3")}
+    if shapes != {"w1": (e, h, d), "w2": (e, d, h), "w3": (e, h, d)}:
+        raise ValueError(f"{where}: expert weights must be w1, w3 [E, H, D] and w2 [E, D, H], got {shapes}")
+    if d % 128 or h % 128:
+        raise ValueError(
+            f"{where}: FP8-Flow needs the model dim D and the expert ffn dim H to be multiples of 128 "
+            f"(1x128 / 128x128 blocks), got D={d}, H={h}"
+        )
+
+
+def convert_moe_layer(module: nn.Module, recompute_experts: bool = False, fqn: str = "") -> nn.Module:
+    """Install the FP8-Flow routed-expert path on a torchtitan-style MoE layer, in place.
+
+    The layer's class becomes a subclass of its own (``isinstance(module, MoE)`` still holds) whose
+    ``forward`` quantizes once before dispatch and runs :func:`fp8flow_routed_experts` in its
+    ``experts`` module; parameters stay plain ``nn.Parameter`` s, so ``state_dict`` is unchanged.
+    Raises ``ValueError`` (see :func:`check_moe_layer`) for unsupported layers or a second conversion.
+    """
+    check_moe_layer(module, fqn)
+    _swap_class(module.experts, FP8FlowGroupedExperts)
+    module.experts.fp8flow_recompute_experts = bool(recompute_experts)
+    _swap_class(module, FP8FlowMoE)
+    return module

@@ -1,0 +1,168 @@
+"""FP8FlowConfig with torchao's quantize_: what gets converted, the filters, clear errors, checkpoints
+that load both ways, the row-wise comparison recipe, and fp32 models."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import DEVICE
+from fp8_helpers import sqnr_db
+from test_moe import PARAMS, _inputs, make_moe, run_step
+from torch import nn
+from torchao.quantization import quantize_
+
+from fp8flow_ao.config import FP8FlowConfig, convert_to_fp8flow
+from fp8flow_ao.debug import FP8FlowOpCounter
+from fp8flow_ao.moe import FP8FlowGroupedExperts, FP8FlowMoE, is_moe_layer
+from fp8flow_ao.tensor import FP8FlowExpertWeight
+from fp8flow_ao.torchtitan.cpu import integer_histc
+
+moe_mod = pytest.importorskip("torchtitan.models.moe.moe")
+
+
+class _Block(nn.Module):
+    def __init__(self, **moe_kwargs):
+        super().__init__()
+        self.attention = nn.Linear(moe_kwargs.get("dim", 256), moe_kwargs.get("dim", 256), bias=False)
+        self.moe = make_moe(**moe_kwargs)
+
+    def forward(self, x):
+        return self.moe(self.attention(x))
+
+
+class _Model(nn.Module):
+    """Two transformer-ish blocks, each a Linear and a torchtitan MoE layer."""
+
+    def __init__(self, **moe_kwargs):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(**moe_kwargs, seed=i) for i in range(2)])
+        self.to(torch.bfloat16)
+        for block in self.layers:  # routing state stays fp32, as torchtitan keeps it
+            block.moe.expert_bias, block.moe.tokens_per_expert = (
+                t.float() for t in (block.moe.expert_bias, block.moe.tokens_per_expert)
+            )
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def _forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with integer_histc(), torch.no_grad():
+        return model(x)
+
+
+def test_config_fields_and_validation():
+    config = FP8FlowConfig()
+    assert (config.recompute_experts, config.recipe, config.module_filter) == (False, "blockwise", None)
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        FP8FlowConfig(recipe="tensorwise")
+    with pytest.raises(TypeError, match="recompute_experts must be a bool"):
+        FP8FlowConfig(recompute_experts="yes")
+    with pytest.raises(ValueError, match="recompute_experts=True needs recipe='blockwise'"):
+        FP8FlowConfig(recompute_experts=True, recipe="rowwise")
+    with pytest.raises(TypeError, match="module_filter must be callable"):
+        FP8FlowConfig(module_filter="layers.0.moe")
+
+
+def test_plain_quantize_call_converts_every_moe_layer():
+    model = _Model()
+    quantize_(model, FP8FlowConfig(recompute_experts=True))
+    for block in model.layers:
+        assert isinstance(block.moe, FP8FlowMoE) and isinstance(block.moe, moe_mod.MoE)
+        assert isinstance(block.moe.experts, FP8FlowGroupedExperts) and block.moe.experts.fp8flow_recompute_experts
+        assert type(block.attention) is nn.Linear and type(block.moe.router.gate) is nn.Linear
+        assert all(type(p) is nn.Parameter for p in block.parameters())
+    x = torch.randn(2, 32, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    with integer_histc(), FP8FlowOpCounter() as counter:
+        model(x).float().square().sum().backward()
+    assert counter.activation_casts == 2 * len(model.layers)  # one forward, one backward cast per layer
+    with pytest.raises(ValueError, match="already converted"):
+        quantize_(model, FP8FlowConfig())
+
+
+def test_module_filter_and_filter_fn():
+    seen = []
+
+    def only_second(module, fqn):
+        seen.append((type(module).__name__, fqn))
+        return fqn == "layers.1.moe"
+
+    model = _Model()
+    quantize_(model, FP8FlowConfig(module_filter=only_second))
+    assert seen == [("MoE", "layers.0.moe"), ("MoE", "layers.1.moe")]  # called on MoE layers only
+    assert not isinstance(model.layers[0].moe, FP8FlowMoE) and isinstance(model.layers[1].moe, FP8FlowMoE)
+    # torchao's own filter_fn reaching the MoE layers directly works too
+    model = _Model()
+    quantize_(model, FP8FlowConfig(), filter_fn=is_moe_layer)
+    assert all(isinstance(block.moe, FP8FlowMoE) for block in model.layers)
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: nn.Sequential(nn.Linear(256, 256)), "no MoE layer"),
+        (lambda: _Model(score_before_experts=True), "score_before_experts=True"),
+        (lambda: _Model(hidden=192), "multiples of 128.*D=256, H=192"),
+        (lambda: _Model(dim=320), "multiples of 128.*D=320"),
+    ],
+)
+def test_unsupported_models_raise_and_stay_untouched(build, match):
+    model = build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        quantize_(model, FP8FlowConfig())
+    assert not any(isinstance(m, FP8FlowMoE) for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="none accepted by module_filter"):
+        convert_to_fp8flow(_Model(), FP8FlowConfig(module_filter=lambda m, fqn: False))
+
+
+def test_checkpoints_load_both_ways():
+    plain = _Model()
+    converted = copy.deepcopy(plain)
+    quantize_(converted, FP8FlowConfig())
+    x = torch.randn(2, 32, 256, device=DEVICE, dtype=torch.bfloat16)
+    expected = _forward(converted, x)
+    state = converted.state_dict()
+    assert list(state) == list(plain.state_dict())
+    assert all(type(v) is torch.Tensor for v in state.values())
+    # converted -> unconverted
+    fresh = _Model()
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), plain.state_dict().values(), strict=True))
+    # unconverted -> converted: same weights, same FP8 output
+    other = _Model()
+    quantize_(other, FP8FlowConfig())
+    other.load_state_dict(fresh.state_dict())
+    assert torch.equal(_forward(other, x), expected)
+
+
+def test_fp32_model_keeps_its_dtypes():
+    moe = make_moe(dtype=torch.float32)
+    convert_to_fp8flow(moe)
+    x, grad = _inputs(256, 128)
+    result = run_step(moe, x.float(), grad.float())
+    assert all(result[k].dtype == torch.float32 for k in ("out", "x", *PARAMS))
+
+
+def test_rowwise_recipe_matches_bf16_layer(monkeypatch):
+    from torchtitan.models.moe import utils as moe_utils
+
+    monkeypatch.setattr(moe_utils, "TOKEN_GROUP_ALIGN_SIZE_M", moe_utils.TOKEN_GROUP_ALIGN_SIZE_M)
+    ref = make_moe(experts=4, top_k=2)
+    moe = copy.deepcopy(ref)
+    quantize_(moe, FP8FlowConfig(recipe="rowwise"))
+    assert moe_utils.TOKEN_GROUP_ALIGN_SIZE_M == 128 and type(moe) is moe_mod.MoE
+    assert all(isinstance(getattr(moe.experts, n), FP8FlowExpertWeight) for n in ("w1", "w2", "w3"))
+    assert all(type(v) is torch.Tensor for v in moe.state_dict().values())
+    with pytest.raises(ValueError, match="already converted"):
+        quantize_(moe, FP8FlowConfig())
+    x, grad = _inputs(256, 128)
+    expected, result = run_step(ref, x, grad), run_step(moe, x, grad)
+    assert sqnr_db(expected["out"], result["out"]) >= 25
+    for key in ("x", *PARAMS):
+        assert sqnr_db(expected[key], result[key]) >= 22, key

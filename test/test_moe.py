@@ -1,0 +1,234 @@
+"""The FP8-Flow MoE layer against torchtitan's BF16 MoE layer (same weights, same inputs).
+
+Numerics (SQNR vs the BF16 layer: output >= 25 dB, every gradient >= 22 dB) for balanced and skewed
+routing (empty experts included), recompute on and off; recompute on/off bit-identical; two runs
+bit-identical; exactly 2 explicit BF16->FP8 casts per layer per step; what backward keeps;
+torch.compile(fullgraph=True); on a GPU the same with the Triton kernels and no device sync.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import DEVICE
+from fp8_helpers import sqnr_db
+
+from fp8flow_ao.debug import FP8FlowOpCounter
+from fp8flow_ao.moe import FP8FlowMoE, convert_moe_layer, fp8flow_routed_experts
+from fp8flow_ao.torchtitan.cpu import integer_histc
+
+moe_mod = pytest.importorskip("torchtitan.models.moe.moe")
+
+FP8 = torch.float8_e4m3fn
+PARAMS = ("experts.w1", "experts.w2", "experts.w3", "router.gate.weight")
+# (experts, top_k, expert_bias or None for torchtitan's forced round-robin balance)
+ROUTINGS = {
+    "balanced": (4, 2, None),
+    # expert 0 takes every token, experts 5..7 never win: skewed groups, three empty experts
+    "skewed": (8, 2, [2.0, 0.3, 0.2, 0.1, 0.0, -5.0, -5.0, -5.0]),
+}
+
+
+def make_moe(
+    dim: int = 256,
+    hidden: int = 128,
+    experts: int = 4,
+    top_k: int = 2,
+    expert_bias: list[float] | None = None,
+    score_before_experts: bool = False,
+    device: str = DEVICE,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """A torchtitan 0.2.2 MoE layer (DeepSeek-V3 style: sigmoid router, route norm, one shared expert)."""
+    args = moe_mod.MoEArgs(
+        num_experts=experts,
+        num_shared_experts=1,
+        top_k=top_k,
+        score_func="sigmoid",
+        route_norm=True,
+        score_before_experts=score_before_experts,
+        # the for-loop experts on the CPU (the grouped path pads through a Triton kernel)
+        use_grouped_mm=device != "cpu",
+        _debug_force_load_balance=expert_bias is None,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        moe = moe_mod.MoE(args, dim=dim, hidden_dim=hidden)
+    with torch.no_grad():
+        moe.init_weights(0.02, torch.device(device))
+    moe.to(dtype)
+    moe.expert_bias = torch.tensor(expert_bias or [0.0] * experts, device=device)  # fp32 routing bias
+    moe.tokens_per_expert = torch.zeros(experts, device=device)
+    return moe
+
+
+def run_step(moe: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One forward + backward; returns the output and every gradient of interest."""
+    x = x.detach().clone().requires_grad_()
+    with integer_histc():
+        out = moe(x)
+        out.backward(grad)
+    params = dict(moe.named_parameters())
+    return {"out": out.detach(), "x": x.grad} | {name: params[name].grad for name in PARAMS}
+
+
+def _inputs(dim: int, tokens: int, device: str = DEVICE, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(2, tokens // 2, dim, device=device, generator=g).to(torch.bfloat16)
+    grad = torch.randn(2, tokens // 2, dim, device=device, generator=g).to(torch.bfloat16)
+    return x, grad
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """Per routing: the BF16 reference and the FP8-Flow layer with recompute off and on (+ op counts)."""
+    results = {}
+    for name, (experts, top_k, bias) in ROUTINGS.items():
+        ref = make_moe(experts=experts, top_k=top_k, expert_bias=bias)
+        x, grad = _inputs(256, 128)
+        results[name] = {"ref": run_step(ref, x, grad), "inputs": (x, grad), "model": ref}
+        for recompute in (False, True):
+            moe = convert_moe_layer(copy.deepcopy(ref), recompute_experts=recompute)
+            with FP8FlowOpCounter() as counter:
+                results[name][recompute] = run_step(moe, x, grad)
+            results[name][recompute]["counts"] = counter.counts
+            # the copy started from the reference's count: the difference is this step's
+            results[name][recompute]["tokens_per_expert"] = moe.tokens_per_expert - ref.tokens_per_expert
+    return results
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_matches_bf16_layer(runs, routing, recompute):
+    ref, ours = runs[routing]["ref"], runs[routing][recompute]
+    assert ours["out"].dtype == torch.bfloat16 and ours["out"].shape == ref["out"].shape
+    assert sqnr_db(ref["out"], ours["out"]) >= 25
+    assert sqnr_db(ref["x"], ours["x"]) >= 22
+    assert sqnr_db(ref["router.gate.weight"], ours["router.gate.weight"]) >= 22
+    for name in PARAMS[:3]:
+        assert ours[name].dtype == ref[name].dtype and ours[name].shape == ref[name].shape
+        for e in range(ref[name].shape[0]):
+            if torch.count_nonzero(ref[name][e]) == 0:  # an empty expert gets an exactly zero gradient
+                assert torch.count_nonzero(ours[name][e]) == 0
+            else:
+                assert sqnr_db(ref[name][e], ours[name][e]) >= 22, (name, e)
+
+
+def test_skewed_routing_has_empty_experts(runs):
+    """The skewed case really exercises empty experts and the load-balance bookkeeping."""
+    counts = runs["skewed"][False]["tokens_per_expert"]
+    assert torch.equal(counts, runs["skewed"]["model"].tokens_per_expert)
+    assert counts[0] == 128 and bool((counts[5:] == 0).all())
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_recompute_gives_bit_identical_gradients(runs, routing):
+    stored, recomputed = runs[routing][False], runs[routing][True]
+    for key in ("out", "x", *PARAMS):
+        assert torch.equal(stored[key], recomputed[key]), key
+
+
+def test_two_runs_are_bit_identical(runs):
+    x, grad = runs["balanced"]["inputs"]
+    again = run_step(convert_moe_layer(copy.deepcopy(runs["balanced"]["model"])), x, grad)
+    for key in ("out", "x", *PARAMS):
+        assert torch.equal(again[key], runs["balanced"][False][key]), key
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_two_activation_casts_per_step(runs, recompute):
+    """Forward x and backward dy are the only explicit BF16->FP8 casts; weights quantized once each."""
+    counts = runs["balanced"][recompute]["counts"]
+    assert counts["quantize_1x128"] == 2 and counts["quantize_dual_1x128"] == 0
+    assert counts["quantize_128x128"] == 3  # w1, w3 (concatenated in FP8), w2; dgrads use exact transposes
+    assert counts["dequantize"] == 0
+    assert counts["grouped_gemm_fp8_blockwise"] == 4 + recompute  # FC1, FC2, 2 dgrads (+ FC1 again)
+    assert counts["swiglu_quant"] == 1 + recompute
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_backward_keeps_fp8_not_bf16_activations(recompute):
+    """Saved: FP8 x (never BF16), scales, probs, routing, FP8 weights, and h + a8 unless recomputing."""
+    tokens, dim, hidden, experts, top_k = 128, 384, 128, 4, 2  # D != 2H: shapes tell the tensors apart
+    x = torch.randn(tokens, dim, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(tokens, top_k, device=DEVICE, requires_grad=True)
+    ids = torch.stack([torch.randperm(experts, device=DEVICE)[:top_k] for _ in range(tokens)])
+    w1, w3 = (torch.randn(experts, hidden, dim, device=DEVICE, dtype=torch.bfloat16) * 0.05 for _ in range(2))
+    w2 = torch.randn(experts, dim, hidden, device=DEVICE, dtype=torch.bfloat16) * 0.05
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fp8flow_routed_experts(x, probs, ids, w1, w2, w3, recompute_experts=recompute)
+    bf16 = [tuple(t.shape) for t in saved if t.dtype == torch.bfloat16]
+    assert {t.dtype for t in saved} <= {FP8, torch.float32, torch.int32, torch.bfloat16}
+    assert any(t.dtype == FP8 and t.shape == (tokens, dim) for t in saved)  # x8, not the permuted rows
+    assert not any(t.shape[-1] == dim and t.dtype != FP8 and t.dim() == 2 and t.shape[0] >= tokens for t in saved)
+    if recompute:
+        assert bf16 == [] and not any(t.dtype == FP8 and t.shape[-1] == hidden and t.dim() == 2 for t in saved)
+    else:  # FC1's output h (SwiGLU's backward needs it exactly) and a8 (FC2's wgrad operand)
+        assert len(bf16) == 1 and bf16[0][1] == 2 * hidden
+        assert any(t.dtype == FP8 and t.dim() == 2 and t.shape[1] == hidden for t in saved)
+
+
+def test_compiles_fullgraph(runs):
+    """The converted layer, forward and backward, traces as one graph and matches eager bit for bit."""
+    x, grad = runs["balanced"]["inputs"]
+    moe = convert_moe_layer(copy.deepcopy(runs["balanced"]["model"]), recompute_experts=True)
+    # aot_eager: dynamo with fullgraph=True and AOT autograd on fakes, without inductor's slow CPU codegen
+    moe.compile(fullgraph=True, backend="aot_eager")
+    compiled = run_step(moe, x, grad)
+    for key in ("out", "x", *PARAMS):
+        assert torch.equal(compiled[key], runs["balanced"][True][key]), key
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"hidden": 192}, ValueError, "expert ffn dim H must be a multiple of 128"),
+        ({"w2_shape": (4, 128, 256)}, ValueError, "w2 \\[E, D, H\\]"),
+        ({"probs_shape": (64, 2)}, ValueError, "top_scores"),
+        ({"ids_dtype": torch.float32}, TypeError, "selected_experts_indices"),
+    ],
+)
+def test_routed_experts_bad_input(kwargs, error, match):
+    tokens, dim, hidden, experts = 128, 256, kwargs.get("hidden", 128), 4
+    x = torch.randn(tokens, dim, dtype=torch.bfloat16)
+    probs = torch.rand(kwargs.get("probs_shape", (tokens, 2)))
+    ids = torch.randint(0, experts, (tokens, 2)).to(kwargs.get("ids_dtype", torch.int64))
+    w1 = w3 = torch.randn(experts, hidden, dim, dtype=torch.bfloat16)
+    w2 = torch.randn(kwargs.get("w2_shape", (experts, dim, hidden)), dtype=torch.bfloat16)
+    with pytest.raises(error, match=match):
+        fp8flow_routed_experts(x, probs, ids, w1, w2, w3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+def test_gpu_kernels_match_bf16_layer_without_sync(routing, recompute):
+    """Triton kernels at a moderate shape: numerics vs the BF16 layer, no device sync, deterministic, compiles."""
+    dim, hidden, tokens = 1024, 512, 2048
+    experts, top_k, bias = (8, 4, None) if routing == "balanced" else (8, 2, ROUTINGS["skewed"][2])
+    ref = make_moe(dim, hidden, experts, top_k, bias, device="cuda")
+    x, grad = _inputs(dim, tokens, device="cuda")
+    expected = run_step(ref, x, grad)
+    moe = convert_moe_layer(copy.deepcopy(ref), recompute_experts=recompute)
+    run_step(moe, x, grad)  # warm-up: Triton compiles outside the sync check
+    moe.zero_grad()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = run_step(moe, x, grad)
+        moe.zero_grad()
+        second = run_step(moe, x, grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert isinstance(moe, FP8FlowMoE)
+    assert sqnr_db(expected["out"], first["out"]) >= 25
+    for key in ("x", *PARAMS):
+        assert sqnr_db(expected[key], first[key]) >= 22, key
+        assert torch.equal(first[key], second[key]), key
+    moe.zero_grad()
+    moe.compile(fullgraph=True)
+    compiled = run_step(moe, x, grad)
+    assert sqnr_db(expected["out"], compiled["out"]) >= 25
