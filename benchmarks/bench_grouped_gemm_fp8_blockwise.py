@@ -1,0 +1,254 @@
+"""Blockwise FP8 grouped GEMMs -- forward, dgrad (``grouped_gemm_fp8_blockwise``) and wgrad
+(``grouped_gemm_fp8_wgrad``) -- side by side with:
+
+* BF16 ``torch._grouped_mm`` (same groups),
+* FP8 row-wise ``torch._scaled_grouped_mm`` (same FP8 data, one scale per row/column),
+* cuBLAS dense blockwise FP8 ``F.scaled_mm`` (1x128 x 128x128; 1x128 x 1x128 for wgrad) over all
+  M rows with one expert's weight: the same FLOPs as one dense GEMM, the bar a grouped kernel aims at,
+* torchao's Triton dense blockwise GEMMs (``triton_fp8_gemm_1x128_128x128``; ``..._128x1`` for wgrad),
+  same dense problem.
+
+FLOPs = 2 * rows * N * K with rows = the padded rows of all groups (what every grouped method
+computes); TFLOP/s = FLOPs / time. Shapes from PERF.md: M = 16384 / 32768 routed rows, (K, N) =
+(7168, 4096), (2048, 7168), (7168, 2048), E = 8 / 32, balanced or skewed (Zipf, empty experts).
+Forward: out[M, N] = X[M, K] W_e^T; dgrad: dX[M, K] = dY[M, N] W_e; wgrad: dW_e[N, K] = dY_e^T X_e.
+
+    python benchmarks/bench_grouped_gemm_fp8_blockwise.py            # default subset (~2-3 min on H100)
+    python benchmarks/bench_grouped_gemm_fp8_blockwise.py --full     # the whole matrix
+    python benchmarks/bench_grouped_gemm_fp8_blockwise.py --sweep    # time every launch config, no autotune
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _bench import balanced_counts, bench_us, row, skewed_counts, write_results  # noqa: E402
+
+from fp8flow_ao._format import BLOCK, quantize_rows_reference  # noqa: E402
+from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128_reference  # noqa: E402
+
+DEFAULT_CASES = [  # (M, K, N, E, routing)
+    (16384, 7168, 4096, 8, "balanced"),
+    (16384, 2048, 7168, 8, "balanced"),
+    (32768, 7168, 2048, 32, "balanced"),
+    (16384, 7168, 4096, 8, "skewed"),
+]
+FULL_CASES = [
+    (m, k, n, e, routing)
+    for m, (k, n), e, routing in itertools.product(
+        (16384, 32768), ((7168, 4096), (2048, 7168), (7168, 2048)), (8, 32), ("balanced", "skewed")
+    )
+]
+SWEEP_CASES = DEFAULT_CASES[:3]
+
+
+def padded_counts(m: int, e: int, routing: str) -> list[int]:
+    counts = balanced_counts(m, e) if routing == "balanced" else skewed_counts(m, e, empty=max(1, e // 8))
+    return [-(-c // BLOCK) * BLOCK for c in counts]
+
+
+def column_wise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, C] -> column-wise FP8 data [C, M] (tokens contiguous) + scales [M/128, C]."""
+    data, scale = quantize_rows_reference(x.T.contiguous(), BLOCK)
+    return data, scale.T.contiguous()
+
+
+def make_problem(m: int, k: int, n: int, e: int, routing: str) -> dict:
+    """Every operand of the three passes, FP8 in the FP8-Flow layouts plus the BF16 originals."""
+    counts = padded_counts(m, e, routing)
+    rows = sum(counts)
+    offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device="cuda")
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    p = {"rows": rows, "offs": offs, "x": x, "dy": dy, "w": w, "e": e}
+    p["x8"], p["xs"] = quantize_rows_reference(x, BLOCK)
+    p["dy8"], p["dys"] = quantize_rows_reference(dy, BLOCK)
+    p["w8"], p["ws"], p["wt8"], p["wts"] = quantize_128x128_reference(w)  # dgrad takes the exact transpose
+    p["dyt8"], p["dyts"] = column_wise(dy)
+    p["xt8"], p["xts"] = column_wise(x)
+    return p
+
+
+def ours(p: dict, which: str, config=None) -> tuple[Callable, tuple]:
+    from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import launch_grouped_gemm_fp8_blockwise
+    from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import launch_grouped_gemm_fp8_wgrad
+
+    if which == "wgrad":
+        args = (p["dyt8"], p["dyts"], p["xt8"], p["xts"], p["offs"], torch.float32)
+        return lambda *a: launch_grouped_gemm_fp8_wgrad(*a, config=config), args
+    a, sa, b, sb = (
+        (p["x8"], p["xs"], p["w8"], p["ws"]) if which == "forward" else (p["dy8"], p["dys"], p["wt8"], p["wts"])
+    )
+    return lambda *a: launch_grouped_gemm_fp8_blockwise(*a, config=config), (a, sa, b, sb, p["offs"], torch.bfloat16)
+
+
+def bf16_grouped(p: dict, which: str) -> tuple[Callable, tuple]:
+    if which == "forward":
+        return torch._grouped_mm, (p["x"], p["w"].transpose(-2, -1), p["offs"])
+    if which == "dgrad":
+        return torch._grouped_mm, (p["dy"], p["w"], p["offs"])
+    return torch._grouped_mm, (p["dy"].t(), p["x"], p["offs"])
+
+
+def fp8_rowwise_grouped(p: dict, which: str) -> tuple[Callable, tuple]:
+    """Same FP8 data with unit row-wise scales (the scale values do not change the work)."""
+    rows, e = p["rows"], p["e"]
+
+    def call(a, b, sa, sb, offs):
+        return torch._scaled_grouped_mm(a, b, sa, sb, offs, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    ones = lambda *s: torch.ones(*s, device="cuda")  # noqa: E731
+    if which == "forward":
+        return call, (p["x8"], p["w8"].transpose(-2, -1), ones(rows), ones(e, p["w8"].shape[1]), p["offs"])
+    if which == "dgrad":
+        return call, (p["dy8"], p["wt8"].transpose(-2, -1), ones(rows), ones(e, p["wt8"].shape[1]), p["offs"])
+    n, k = p["dyt8"].shape[0], p["xt8"].shape[0]
+    return call, (p["dyt8"], p["xt8"].t(), ones(e * n), ones(e * k), p["offs"])
+
+
+def _outer_major(scale: torch.Tensor) -> torch.Tensor:
+    """[rows, blocks] scales with rows contiguous: the layout cuBLAS and torchao want for 1x128 LHS scales."""
+    return scale.t().contiguous().t()
+
+
+def cublas_dense_blockwise(p: dict, which: str) -> tuple[Callable, tuple]:
+    import torch.nn.functional as F
+
+    st = F.ScalingType
+    if which == "wgrad":  # dY^T [N, M] x X [M, K], 1x128 blocks along M on both sides
+
+        def call(a, b, sa, sb):
+            return F.scaled_mm(a, b, sa, st.BlockWise1x128, sb, st.BlockWise1x128, output_dtype=torch.bfloat16)
+
+        return call, (p["dyt8"], p["xt8"].t(), p["dyts"].t(), p["xts"].t())
+
+    def call(a, b, sa, sb):
+        return F.scaled_mm(a, b, sa, st.BlockWise1x128, sb, st.BlockWise128x128, output_dtype=torch.bfloat16)
+
+    a, sa, b, sb = (
+        (p["x8"], p["xs"], p["w8"], p["ws"]) if which == "forward" else (p["dy8"], p["dys"], p["wt8"], p["wts"])
+    )
+    return call, (a, b[0].t(), _outer_major(sa), sb[0].t())
+
+
+def torchao_dense_blockwise(p: dict, which: str) -> tuple[Callable, tuple]:
+    from torchao.prototype.blockwise_fp8_training.kernels import (
+        triton_fp8_gemm_1x128_128x1,
+        triton_fp8_gemm_1x128_128x128,
+    )
+
+    if which == "wgrad":
+        fn = lambda *a: triton_fp8_gemm_1x128_128x1(*a, out_dtype=torch.bfloat16)  # noqa: E731
+        return fn, (p["dyt8"], p["xt8"].t(), p["dyts"].t(), p["xts"])
+    a, sa, b, sb = (
+        (p["x8"], p["xs"], p["w8"], p["ws"]) if which == "forward" else (p["dy8"], p["dys"], p["wt8"], p["wts"])
+    )
+    fn = lambda *a: triton_fp8_gemm_1x128_128x128(*a, out_dtype=torch.bfloat16)  # noqa: E731
+    return fn, (a, b[0].t(), _outer_major(sa), sb[0].t())
+
+
+BASELINES = {
+    "bf16 torch._grouped_mm": bf16_grouped,
+    "fp8 row-wise torch._scaled_grouped_mm": fp8_rowwise_grouped,
+    "cuBLAS dense blockwise F.scaled_mm": cublas_dense_blockwise,
+    "torchao Triton dense blockwise": torchao_dense_blockwise,
+}
+PASSES = ("forward", "dgrad", "wgrad")
+
+
+def pass_dims(p: dict, which: str) -> tuple[int, int]:
+    """(N, K) of the pass's GEMM (output columns, reduction) for the FLOP count."""
+    e, n, k = p["w"].shape
+    return {"forward": (n, k), "dgrad": (k, n), "wgrad": (n, k)}[which]
+
+
+def time_it(make: Callable, p: dict, which: str) -> tuple[float | None, str]:
+    """Median time in us (or None and the error). One input set: every pass reads >= 150 MB, past L2."""
+    try:
+        fn, args = make(p, which)
+        return bench_us(fn, [args]), ""
+    except Exception as exc:  # a baseline missing from this torch/torchao build: record why
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+
+
+def run_cases(cases, passes) -> list[dict]:
+    rows_out = []
+    for m, k, n, e, routing in cases:
+        p = make_problem(m, k, n, e, routing)
+        for which in passes:
+            nn, kk = pass_dims(p, which)
+            flops = 2 * p["rows"] * nn * kk
+            case = f"{which} M={m} K={k} N={n} E={e} {routing}"
+            ours_us, err = time_it(ours, p, which)
+            if ours_us is None:
+                raise RuntimeError(f"{case}: {err}")
+            print(f"{case}: ours {ours_us:.1f} us, {flops / ours_us / 1e6:.0f} TFLOP/s", flush=True)
+            for name, make in BASELINES.items():
+                base_us, err = time_it(make, p, which)
+                extra = {"baseline_tflops": None if base_us is None else round(flops / base_us / 1e6, 1)}
+                rows_out.append(
+                    row(case, ours_us, name, base_us, flops=flops, **extra, **({"error": err} if err else {}))
+                )
+        del p
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def run_sweep() -> list[dict]:
+    """Every candidate config of both kernels, pinned (no autotune), on the PERF.md anchor shapes."""
+    from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import FORWARD_CONFIGS
+    from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import WGRAD_CONFIGS
+
+    rows_out = []
+    for m, k, n, e, routing in SWEEP_CASES:
+        p = make_problem(m, k, n, e, routing)
+        for which, configs in (("forward", FORWARD_CONFIGS), ("dgrad", FORWARD_CONFIGS), ("wgrad", WGRAD_CONFIGS)):
+            nn, kk = pass_dims(p, which)
+            flops = 2 * p["rows"] * nn * kk
+            for cfg in configs:
+                fn, args = ours(p, which, config=cfg)
+                us = bench_us(fn, [args])
+                name = f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}"
+                print(f"{which} M={m} K={k} N={n} E={e}: {name}: {flops / us / 1e6:.0f} TFLOP/s", flush=True)
+                rows_out.append(
+                    row(f"{which} M={m} K={k} N={n} E={e} {routing}", us, "-", None, flops=flops, config=name)
+                )
+        del p
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="the whole shape matrix")
+    parser.add_argument("--sweep", action="store_true", help="time every launch config (no autotune)")
+    parser.add_argument("--passes", default=",".join(PASSES), help="comma-separated subset of forward,dgrad,wgrad")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_grouped_gemm_fp8_blockwise: no CUDA device, nothing to time")
+        return
+    if args.sweep:
+        write_results("grouped_gemm_fp8_blockwise_sweep", run_sweep(), "Each launch config pinned (no autotune).")
+        return
+    rows_out = run_cases(FULL_CASES if args.full else DEFAULT_CASES, args.passes.split(","))
+    write_results(
+        "grouped_gemm_fp8_blockwise",
+        rows_out,
+        "tflops = ours; baseline_tflops = the named baseline on the same FLOPs (dense baselines: all rows x "
+        "one expert's weight). Row-wise baseline: same FP8 data, unit scales. fwd/dgrad out bf16, wgrad out "
+        "fp32 (ours) / bf16 (baselines).",
+    )
+
+
+if __name__ == "__main__":
+    main()

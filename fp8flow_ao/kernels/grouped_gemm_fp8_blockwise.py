@@ -1,0 +1,299 @@
+"""grouped_gemm_fp8_blockwise: ``out[m] = A[m] @ B[e(m)]^T`` for E4M3 1x128 x 128x128 blockwise FP8.
+
+The forward and dgrad GEMM of the routed experts. ``a`` holds the permuted, padded rows of all
+experts (1x128 scales, COMPACT ``[M, K/128]``, read as they are); ``b`` holds one weight per expert,
+K-major ``[E, N, K]`` with 128x128 scales ``[E, N/128, K/128]``. For dgrad the caller passes the
+exact FP8 transpose of the forward weight (``[E, K, N]`` data, ``[E, K/128, N/128]`` scales: 128x128
+blocks are symmetric under transpose), so the same op serves both.
+
+Kernel: a persistent grid walks (128-row M tile, N tile) pairs. Groups start on multiples of 128, so
+an M tile never straddles two experts; each tile finds its expert from the group end offsets on the
+device (no host sync). Operands arrive by tensor-descriptor (TMA) loads; per 128-wide K block the
+tensor-core partial product is promoted into the fp32 accumulator with ``scale_a[m] * scale_b``
+(the per-128-K promotion that keeps FP8 accumulation error bounded). Tiles at or past the last
+group end read nothing and store zeros, so the whole output is defined.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8flow_ao._checks import (
+    check_contiguous,
+    check_fp8,
+    check_group_end_offsets,
+    check_multiple,
+    check_row_major,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
+from fp8flow_ao._format import BLOCK, dequantize_rows_reference
+from fp8flow_ao.kernels._grouped_gemm_common import (
+    BLOCK_K,
+    autotuned,
+    check_tma_operand,
+    expert_of_row,
+    gemm_config,
+    grouped_tile,
+    interpreting,
+    launch,
+    persistent_grid,
+    set_tma_workspace_allocator,
+)
+
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+# Launch configs, from the sweeps in benchmarks/results/grouped_gemm_notes.md (H200):
+# * 128x128 tiles, 8 warps = 2 consumer warpgroups of 64 rows: the fp32 accumulator and the fp32
+#   partial of one K block take 64 + 64 registers per thread (180 in all). A 128x256 tile needs 256
+#   and spills (496 bytes of stack); 5 stages or GROUP_M = 16 measured within noise of this one.
+# * 64x128 tiles, 4 warps, 2 programs per SM (171 registers x 128 threads, 113 KiB of shared memory
+#   each): one program's MMAs overlap the other's promotion, at 1.5x the L2->SM bytes per FLOP; it
+#   wins on some dgrad shapes. 5 stages would leave no room for the second program.
+FORWARD_CONFIGS = [
+    gemm_config(128, 128, num_warps=8, num_stages=4),
+    gemm_config(64, 128, num_warps=4, num_stages=4, programs_per_sm=2),
+]
+INTERPRET_CONFIG = gemm_config(128, 128, num_warps=8, num_stages=1, group_m=2)
+
+
+@triton.jit
+def _grouped_gemm_fp8_blockwise_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    out_ptr,
+    ends_ptr,
+    M,
+    N,
+    K,
+    E,
+    stride_am,
+    stride_asm,
+    E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr,  # sizes the grid only
+):
+    """Persistent blockwise FP8 grouped GEMM; a tile spans one 128-column weight block (one scale_b).
+
+    a ``[M, K]`` (row stride ``stride_am``), a_scale ``[M, K/128]`` (row stride ``stride_asm``),
+    b ``[E, N, K]`` contiguous, b_scale ``[E, N/128, K/128]`` contiguous, out ``[M, N]`` contiguous,
+    ends ``[E]`` int32 group end offsets.
+    """
+    tl.static_assert(BLOCK_N == BLOCK_K, "one 128-column weight block per tile: one scale_b per K block")
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    k_blocks = K // BLOCK_K
+    n_scale_blocks = N // BLOCK_K
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Only M tiles before the last group end do work; their count is read on the device. (Flattening
+    # the tile and K loops -- tl.range(flatten=True), possible since the K loop's bound is invariant --
+    # measured 4-12% slower on an H200: the fused loop carries the scale pointers, 205 vs 164 registers.)
+    live_m = tl.minimum(tl.cdiv(tl.load(ends_ptr + E - 1), BLOCK_M), num_m)
+    for tile in range(tl.program_id(0), live_m * num_n, tl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile, live_m, num_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        e = tl.minimum(expert_of_row(ends_ptr, m0, E, E_POW2), E - 1)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        a_scale_rows = a_scale_ptr + rows.to(tl.int64) * stride_asm
+        b_scale_row = b_scale_ptr + e.to(tl.int64) * n_scale_blocks * k_blocks
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(k_blocks):
+            a = a_desc.load([m0, kb * BLOCK_K])
+            b = b_desc.load([e * N + n0, kb * BLOCK_K])
+            sa = tl.load(a_scale_rows + kb, mask=rows < M, other=0.0)
+            sb = tl.load(b_scale_row + (n0 // BLOCK_K) * k_blocks + kb)
+            acc = tl.dot(a, b.T) * (sa[:, None] * sb) + acc
+        out_desc.store([m0, n0], acc.to(out_ptr.dtype.element_ty))
+    # Tiles at or past the last group end: zeros, so the whole output is defined; nothing is read.
+    zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+    for tile in range(live_m * num_n + tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        out_desc.store([(tile // num_n) * BLOCK_M, (tile % num_n) * BLOCK_N], zeros)
+
+
+_grouped_gemm_fp8_blockwise_tuned = autotuned(FORWARD_CONFIGS)(_grouped_gemm_fp8_blockwise_kernel)
+
+
+def launch_grouped_gemm_fp8_blockwise(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: triton.Config | None = None,
+) -> torch.Tensor:
+    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`grouped_gemm_fp8_blockwise`.
+
+    ``config`` pins one launch config (tests, config sweeps); by default the GPU autotunes over
+    :data:`FORWARD_CONFIGS` and the interpreter runs :data:`INTERPRET_CONFIG`.
+    """
+    m, k = a.shape
+    e, n, _ = b.shape
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    check_tma_operand("a", a)
+    check_tma_operand("b", b)
+    set_tma_workspace_allocator(a.device)
+    grid = persistent_grid(a.device, lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]))
+    launch(
+        _grouped_gemm_fp8_blockwise_tuned,
+        grid,
+        a,
+        a_scale,
+        b,
+        b_scale,
+        out,
+        group_end_offsets,
+        m,
+        n,
+        k,
+        e,
+        a.stride(0),
+        a_scale.stride(0),
+        E_POW2=triton.next_power_of_2(e),
+        config=INTERPRET_CONFIG if config is None and interpreting() else config,
+    )
+    return out
+
+
+def _expert_of_rows(group_end_offsets: torch.Tensor, m: int) -> torch.Tensor:
+    """Expert of each row (``E`` for rows at or past the last group end), without a host sync."""
+    rows = torch.arange(m, device=group_end_offsets.device, dtype=torch.int32)
+    return torch.searchsorted(group_end_offsets, rows, right=True)
+
+
+def grouped_gemm_fp8_blockwise_reference(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Torch reference (the oracle and the CPU path): dequantize, then an fp32 matmul per group.
+
+    Rows at or past the last group end are zero.
+    """
+    a32 = dequantize_rows_reference(a, a_scale, BLOCK)
+    b32 = b.float() * b_scale.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
+    owner = _expert_of_rows(group_end_offsets, a.shape[0])
+    out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+    for e in range(b.shape[0]):
+        rows = (owner == e)[:, None]
+        out = torch.where(rows, a32 @ b32[e].T, out)
+    return out.to(out_dtype)
+
+
+@torch.library.custom_op("fp8flow::grouped_gemm_fp8_blockwise", mutates_args=())
+def _grouped_gemm_fp8_blockwise_op(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return grouped_gemm_fp8_blockwise_reference(a, a_scale, b, b_scale, group_end_offsets, out_dtype)
+
+
+@_grouped_gemm_fp8_blockwise_op.register_kernel("cuda")
+def _(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, group_end_offsets, out_dtype)
+
+
+@_grouped_gemm_fp8_blockwise_op.register_fake
+def _(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _check_inputs(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> None:
+    check_fp8("a", a, ndim=2)
+    check_fp8("b", b, ndim=3)
+    check_tensor("a_scale", a_scale, dtypes=torch.float32, ndim=2)
+    check_tensor("b_scale", b_scale, dtypes=torch.float32, ndim=3)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    m, k = a.shape
+    e, n, kb = b.shape
+    check_multiple("a", k, what="K (dim 1)")
+    check_multiple("b", n, what="N (dim 1)")
+    if kb != k:
+        raise ValueError(f"b must have K = {k} (a's dim 1) in dim 2, got shape {tuple(b.shape)}")
+    check_group_end_offsets("group_end_offsets", group_end_offsets, rows=m)
+    if group_end_offsets.shape[0] != e or e == 0:
+        raise ValueError(
+            f"group_end_offsets must hold one end per expert (b has E = {e} >= 1), got {group_end_offsets.shape[0]}"
+        )
+    check_shape("a_scale", a_scale, (m, k // BLOCK))
+    check_shape("b_scale", b_scale, (e, n // BLOCK, k // BLOCK))
+    check_row_major("a", a)  # K-major: the tensor cores read both operands along K
+    check_row_major("a_scale", a_scale)
+    check_contiguous("b", b)  # K-major [E, N, K]; for dgrad pass the transposed copy, never a .mT view
+    check_contiguous("b_scale", b_scale)
+    check_same_device(a=a, a_scale=a_scale, b=b, b_scale=b_scale, group_end_offsets=group_end_offsets)
+
+
+def grouped_gemm_fp8_blockwise(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Blockwise FP8 grouped GEMM: ``out[m] = dequant(a)[m] @ dequant(b)[e]^T`` for rows ``m`` of group ``e``.
+
+    Forward (``a`` = activations, ``b`` = weights ``[E, N, K]``) and dgrad (``a`` = output
+    gradient, ``b`` = the exactly transposed weight ``[E, K, N]`` from ``quantize_128x128``'s
+    ``data_t`` / ``scale_inv_t``) are the same call.
+
+    Args:
+        a: E4M3 ``[M, K]``, row-major (K contiguous; row stride a multiple of 16), ``K % 128 == 0``.
+        a_scale: fp32 ``[M, K/128]`` row-major, COMPACT 1x128 ``scale_inv`` (dequantize multiplier)
+            of ``a``; read as it is.
+        b: E4M3 ``[E, N, K]`` contiguous (K-major), ``N % 128 == 0``.
+        b_scale: fp32 ``[E, N/128, K/128]`` contiguous, 128x128 ``scale_inv`` of ``b``.
+        group_end_offsets: int32 ``[E]`` on ``a``'s device: padded group END offsets, non-decreasing
+            multiples of 128 (so each group starts on a 128-row boundary), last ``<= M``. Values are
+            checked only with ``FP8FLOW_VALIDATE=1`` (the check syncs the device).
+        out_dtype: ``torch.bfloat16`` (default) or ``torch.float32``.
+
+    Returns:
+        ``[M, N]`` contiguous ``out_dtype``. Accumulation is fp32 with the partial product of each
+        128-wide K block promoted by ``a_scale[m, kb] * b_scale[e, n // 128, kb]``. Rows at or past
+        the last group end are zero (never read from ``a``).
+    """
+    _check_inputs(a, a_scale, b, b_scale, group_end_offsets, out_dtype)
+    return torch.ops.fp8flow.grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, group_end_offsets, out_dtype)

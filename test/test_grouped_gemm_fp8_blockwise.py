@@ -1,0 +1,259 @@
+"""grouped_gemm_fp8_blockwise: Triton kernel (GPU, or the CPU interpreter) against the fp32 reference,
+forward and dgrad, group edge cases, op registration, compile and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, INTERPRETING
+
+from fp8flow_ao._format import BLOCK, quantize_rows_reference
+from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as mod
+from fp8flow_ao.kernels._grouped_gemm_common import AUTOTUNE_KEY
+from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import (
+    grouped_gemm_fp8_blockwise,
+    grouped_gemm_fp8_blockwise_reference,
+    launch_grouped_gemm_fp8_blockwise,
+)
+from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128_reference
+
+# Relative error (Frobenius norm) against fp32 math on the dequantized operands. bf16 output: its
+# rounding. fp32 output: 1e-5 where the dot is exact fp32 (the CPU interpreter). On Hopper the FP8
+# tensor cores add the products of each 128-wide block with ~14-bit alignment (why the partials are
+# promoted every 128; DeepSeek-V3 report, 3.3.2): measured 1.2e-4..2e-4 on an H200, so 5e-4 there.
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5 if INTERPRETING else 5e-4}
+
+
+def padded_ends(counts: list[int]) -> list[int]:
+    """Group end offsets with each group padded up to a multiple of 128 rows."""
+    ends, end = [], 0
+    for c in counts:
+        end += -(-c // BLOCK) * BLOCK
+        ends.append(end)
+    return ends
+
+
+def make_rows(counts: list[int], k: int, extra_rows: int = 0, device: str = DEVICE):
+    """Permuted+padded 1x128 FP8 rows: real rows random (magnitudes spread over 1e-3..1e3), pad rows
+    data 0 / scale 0 as the permute op writes them, and ``extra_rows`` garbage (NaN) past the last end."""
+    ends = padded_ends(counts)
+    m = (ends[-1] if ends else 0) + extra_rows
+    x = torch.randn(m, k) * torch.logspace(-3, 3, max(m, 1))[torch.randperm(max(m, 1))][:m, None]
+    data, scale = quantize_rows_reference(x, BLOCK)
+    start = 0
+    for c, end in zip(counts, ends, strict=True):
+        data[start + c : end] = 0
+        scale[start + c : end] = 0
+        start = end
+    data[start:] = float("nan")  # never read: NaN here would poison the output if it were
+    scale[start:] = float("nan")
+    offsets = torch.tensor(ends, dtype=torch.int32)
+    return data.to(device), scale.to(device), offsets.to(device)
+
+
+def make_weights(e: int, n: int, k: int, device: str = DEVICE):
+    w = torch.randn(e, n, k) * torch.logspace(-2, 2, e)[:, None, None]
+    data, scale, _, _ = quantize_128x128_reference(w, with_transpose=False)
+    return data.to(device), scale.to(device)
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    diff = (actual.double().cpu() - expected.double().cpu()).norm()
+    return float(diff / expected.double().cpu().norm().clamp_min(1e-30))
+
+
+def check(out, a, a_scale, b, b_scale, offsets, out_dtype):
+    ref = grouped_gemm_fp8_blockwise_reference(
+        a.cpu(), a_scale.cpu(), b.cpu(), b_scale.cpu(), offsets.cpu(), torch.float32
+    )
+    assert out.shape == ref.shape and out.dtype == out_dtype
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref) < TOLERANCE[out_dtype], rel_error(out, ref)
+    last = int(offsets[-1])
+    assert torch.equal(out[last:].cpu(), torch.zeros_like(out[last:].cpu())), "rows past the last end must be 0"
+
+
+# (rows per expert, K, N, rows past the last end)
+CASES = {
+    "balanced": ([128, 128, 128], 256, 256, 0),
+    "empty_experts": ([0, 200, 0, 60], 256, 128, 0),
+    "one_expert_all_rows": ([0, 0, 384, 0], 128, 256, 0),
+    "groups_of_128": ([128, 128, 128, 128], 128, 128, 0),
+    "n_k_128": ([100, 156], 128, 128, 0),
+    "skewed": ([300, 5, 0, 70], 256, 256, 0),
+    "rows_past_last_end": ([130, 90], 256, 128, 77),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_forward_matches_reference(case, out_dtype):
+    counts, k, n, extra = CASES[case]
+    a, a_scale, offsets = make_rows(counts, k, extra)
+    b, b_scale = make_weights(len(counts), n, k)
+    out = launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets, out_dtype)
+    check(out, a, a_scale, b, b_scale, offsets, out_dtype)
+
+
+def test_dgrad_uses_the_transposed_weight():
+    """dgrad: dX = dY @ W_e, with W_e's exact FP8 transpose ([E, K, N] data, [E, K/128, N/128] scales)."""
+    counts, k, n = [256, 0, 128], 128, 256  # forward W: [E, N=256, K=128]; dY: [M, N]
+    dy, dy_scale, offsets = make_rows(counts, n)
+    w, w_scale = make_weights(len(counts), n, k)
+    w_t, w_t_scale = w.transpose(1, 2).contiguous(), w_scale.transpose(1, 2).contiguous()
+    out = launch_grouped_gemm_fp8_blockwise(dy, dy_scale, w_t, w_t_scale, offsets, torch.float32)
+    assert out.shape == (dy.shape[0], k)
+    # oracle written independently: dequantize and multiply by the untransposed weight
+    dy32 = dy.float().cpu() * dy_scale.cpu().repeat_interleave(BLOCK, 1)
+    w32 = w.float().cpu() * w_scale.cpu().repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)
+    expected = torch.cat([dy32[:256] @ w32[0], dy32[256:384] @ w32[2]])
+    assert rel_error(out, expected) < TOLERANCE[torch.float32]
+
+
+def test_non_finite_scales_give_non_finite_output():
+    a, a_scale, offsets = make_rows([128, 128], 128)
+    b, b_scale = make_weights(2, 128, 128)
+    a_scale[5, 0] = float("nan")
+    b_scale[1, 0, 0] = float("inf")
+    out = launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets, torch.float32).cpu()
+    assert torch.isnan(out[5]).all()
+    assert not torch.isfinite(out[128:]).any()
+    assert torch.isfinite(out[:128][torch.arange(128) != 5]).all()
+
+
+@pytest.mark.gpu
+def test_nan_data_gives_nan_output():
+    """GPU only: the interpreter's fp8 dot converts E4M3 NaN (0x7F) to a finite number."""
+    a, a_scale, offsets = make_rows([128, 128], 128)
+    b, b_scale = make_weights(2, 128, 128)
+    a[5, 7] = float("nan")
+    b[1, 3, 9] = float("nan")
+    out = launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets, torch.float32).cpu()
+    assert torch.isnan(out[5]).all() and torch.isnan(out[128:, 3]).all()
+    assert int(torch.isnan(out).sum()) == 128 + 128
+
+
+def test_row_stride_is_free():
+    a, a_scale, offsets = make_rows([128, 128], 128)
+    b, b_scale = make_weights(2, 128, 128)
+    wide = torch.zeros(a.shape[0], 384, dtype=a.dtype, device=DEVICE)
+    wide[:, 128:256] = a
+    scale_wide = torch.zeros(a.shape[0], 3, device=DEVICE)
+    scale_wide[:, 1:2] = a_scale
+    out = launch_grouped_gemm_fp8_blockwise(wide[:, 128:256], scale_wide[:, 1:2], b, b_scale, offsets, torch.float32)
+    check(out, a, a_scale, b, b_scale, offsets, torch.float32)
+
+
+def test_zero_rows():
+    a, a_scale = torch.empty(0, 128, dtype=torch.float8_e4m3fn, device=DEVICE), torch.empty(0, 1, device=DEVICE)
+    b, b_scale = make_weights(2, 128, 128)
+    offsets = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    assert grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets).shape == (0, 128)
+
+
+@pytest.mark.gpu
+def test_promotion_keeps_error_flat_in_k():
+    """Per-128-K promotion: the tensor cores' limited-precision sums never span more than one block,
+    so the relative error does not grow with K (it would, were the whole K summed on the tensor cores)."""
+    errors = []
+    for k in (128, 4096):
+        a, a_scale, offsets = make_rows([256, 256], k)
+        b, b_scale = make_weights(2, 256, k)
+        out = launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets, torch.float32)
+        ref = grouped_gemm_fp8_blockwise_reference(*(t.cpu() for t in (a, a_scale, b, b_scale, offsets)), torch.float32)
+        errors.append(rel_error(out, ref))
+    assert errors[1] < 2 * errors[0] + 1e-6, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", mod.FORWARD_CONFIGS, ids=str)
+def test_every_config(config):
+    """Each autotune candidate is correct (the autotuner may pick any), on a shape with many tiles."""
+    counts = [300, 0, 1000, 129, 640, 0, 17, 900]
+    a, a_scale, offsets = make_rows(counts, 512, extra_rows=200)
+    b, b_scale = make_weights(len(counts), 384, 512)
+    out = launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets, torch.bfloat16, config=config)
+    check(out, a, a_scale, b, b_scale, offsets, torch.bfloat16)
+
+
+def test_autotune_keys_are_kernel_arguments():
+    tuned = mod._grouped_gemm_fp8_blockwise_tuned
+    assert list(tuned.keys) == AUTOTUNE_KEY and "M" not in tuned.keys
+    assert set(tuned.keys) <= set(tuned.fn.arg_names)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_op_dispatch_and_compile(out_dtype):
+    a, a_scale, offsets = make_rows([128, 0, 256], 256)
+    b, b_scale = make_weights(3, 128, 256)
+    eager = grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets, out_dtype)
+    compiled = torch.compile(grouped_gemm_fp8_blockwise, fullgraph=True)(a, a_scale, b, b_scale, offsets, out_dtype)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    check(eager, a, a_scale, b, b_scale, offsets, out_dtype)
+
+
+def test_opcheck():
+    a, a_scale, offsets = make_rows([128, 128], 128)
+    b, b_scale = make_weights(2, 128, 128)
+    args = (a, a_scale, b, b_scale, offsets, torch.bfloat16)
+    before = [t.clone() for t in args[:5]]
+    # test_schema is left out: its mutation check calls torch.allclose, which has no fp8 kernel
+    # ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'); the check below replaces it.
+    torch.library.opcheck(
+        torch.ops.fp8flow.grouped_gemm_fp8_blockwise.default,
+        args,
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+    for t, t0 in zip(args[:5], before, strict=True):
+        assert torch.equal(t.view(torch.uint8), t0.view(torch.uint8)), "inputs must not be mutated"
+
+
+def _good():
+    a = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+    return {
+        "a": a,
+        "a_scale": torch.ones(256, 2),
+        "b": torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn),
+        "b_scale": torch.ones(2, 1, 2),
+        "group_end_offsets": torch.tensor([128, 256], dtype=torch.int32),
+    }
+
+
+BAD = [
+    ({"a": torch.zeros(256, 256)}, TypeError, "a must have dtype"),
+    ({"a": torch.zeros(256, 2, 128, dtype=torch.float8_e4m3fn)}, ValueError, "a must have 2 dims"),
+    ({"a_scale": torch.ones(256, 2, dtype=torch.float64)}, TypeError, "a_scale must have dtype"),
+    ({"b": torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn)}, ValueError, "b must have K = 256"),
+    ({"b": torch.zeros(2, 100, 256, dtype=torch.float8_e4m3fn)}, ValueError, "b N"),
+    ({"a": torch.zeros(256, 200, dtype=torch.float8_e4m3fn)}, ValueError, "a K"),
+    ({"a": torch.zeros(256, 256, dtype=torch.float8_e4m3fn).t()}, ValueError, "a must be row-major"),
+    ({"b": torch.zeros(2, 256, 128, dtype=torch.float8_e4m3fn).mT}, ValueError, "b must be contiguous"),
+    ({"a_scale": torch.ones(2, 256).t()}, ValueError, "a_scale must be row-major"),
+    ({"a_scale": torch.ones(256, 1)}, ValueError, "a_scale must have shape"),
+    ({"b_scale": torch.ones(2, 2, 1)}, ValueError, "b_scale must have shape"),
+    ({"group_end_offsets": torch.tensor([128, 256])}, TypeError, "group_end_offsets must have dtype"),
+    ({"group_end_offsets": torch.tensor([256], dtype=torch.int32)}, ValueError, "one end per expert"),
+]
+
+
+@pytest.mark.parametrize(("override", "error", "match"), BAD, ids=[m for _, _, m in BAD])
+def test_bad_input(override, error, match):
+    args = {**_good(), **override}
+    with pytest.raises(error, match=match):
+        grouped_gemm_fp8_blockwise(**args)
+
+
+def test_bad_out_dtype():
+    with pytest.raises(TypeError, match="out_dtype"):
+        grouped_gemm_fp8_blockwise(**_good(), out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize(
+    ("ends", "match"),
+    [([256, 128], "non-decreasing"), ([100, 256], "multiples of 128"), ([128, 384], "past the end")],
+)
+def test_opt_in_validation_of_offsets(monkeypatch, ends, match):
+    monkeypatch.setenv("FP8FLOW_VALIDATE", "1")
+    args = {**_good(), "group_end_offsets": torch.tensor(ends, dtype=torch.int32)}
+    with pytest.raises(ValueError, match=match):
+        grouped_gemm_fp8_blockwise(**args)

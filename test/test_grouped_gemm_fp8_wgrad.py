@@ -1,0 +1,213 @@
+"""grouped_gemm_fp8_wgrad: Triton kernel (GPU, or the CPU interpreter) against the fp32 reference,
+group edge cases, op registration, compile and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, INTERPRETING
+
+from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels import grouped_gemm_fp8_wgrad as mod
+from fp8flow_ao.kernels._grouped_gemm_common import AUTOTUNE_KEY
+from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import (
+    grouped_gemm_fp8_wgrad,
+    grouped_gemm_fp8_wgrad_reference,
+    launch_grouped_gemm_fp8_wgrad,
+)
+
+# Relative error (Frobenius norm) against fp32 math on the dequantized operands. bf16 output: its
+# rounding. fp32 output: 1e-5 where the dot is exact fp32 (the CPU interpreter). On Hopper the FP8
+# tensor cores add the products of each 128-wide block with ~14-bit alignment (why the partials are
+# promoted every 128; DeepSeek-V3 report, 3.3.2): measured 1.2e-4..2e-4 on an H200, so 5e-4 there.
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5 if INTERPRETING else 5e-4}
+
+
+def padded_ends(counts: list[int]) -> list[int]:
+    ends, end = [], 0
+    for c in counts:
+        end += -(-c // BLOCK) * BLOCK
+        ends.append(end)
+    return ends
+
+
+def column_wise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, C] -> column-wise FP8: data [C, M] (tokens contiguous), scales [ceil(M/128), C]."""
+    data, scale = quantize_rows_reference(x.T.contiguous(), BLOCK)
+    return data, scale.T.contiguous()
+
+
+def make_operands(counts: list[int], n: int, k: int, extra_rows: int = 0, device: str = DEVICE):
+    """Column-wise dY^T [N, M] and X^T [K, M] for padded groups; pad rows are 0, and rows past the
+    last end are NaN (never read: they would poison the output if they were)."""
+    ends = padded_ends(counts)
+    m = ends[-1] + extra_rows
+    spread = torch.logspace(-3, 3, max(m, 1))[torch.randperm(max(m, 1))][:m, None]
+    dy, x = torch.randn(m, n) * spread, torch.randn(m, k)
+    real = torch.zeros(m, dtype=torch.bool)
+    start = 0
+    for c, end in zip(counts, ends, strict=True):
+        real[start : start + c] = True
+        start = end
+    dy[~real], x[~real] = 0, 0
+    a_t, a_t_scale = column_wise(dy)
+    b_t, b_t_scale = column_wise(x)
+    for data, scale in ((a_t, a_t_scale), (b_t, b_t_scale)):
+        data[:, ends[-1] :] = float("nan")
+        scale[ends[-1] // BLOCK :] = float("nan")
+    offsets = torch.tensor(ends, dtype=torch.int32)
+    return [t.to(device) for t in (a_t, a_t_scale, b_t, b_t_scale, offsets)]
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    diff = (actual.double().cpu() - expected.double().cpu()).norm()
+    return float(diff / expected.double().cpu().norm().clamp_min(1e-30))
+
+
+def check(out, a_t, a_t_scale, b_t, b_t_scale, offsets, out_dtype, counts):
+    ref = grouped_gemm_fp8_wgrad_reference(*(t.cpu() for t in (a_t, a_t_scale, b_t, b_t_scale, offsets)))
+    assert out.shape == ref.shape and out.dtype == out_dtype
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref) < TOLERANCE[out_dtype], rel_error(out, ref)
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(out[e].cpu(), torch.zeros_like(out[e].cpu())), f"empty expert {e} must be 0"
+
+
+# (rows per expert, N, K, rows past the last end)
+CASES = {
+    "balanced": ([128, 128, 128], 256, 256, 0),
+    "empty_experts": ([0, 200, 0, 60], 128, 256, 0),
+    "one_expert_all_rows": ([0, 384, 0], 256, 128, 0),
+    "groups_of_128": ([128, 128, 128, 128], 128, 128, 0),
+    "n_k_128": ([100, 156], 128, 128, 0),
+    "skewed": ([300, 5, 0, 70], 256, 256, 0),
+    "rows_past_last_end": ([130, 90], 128, 256, 80),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_wgrad_matches_reference(case, out_dtype):
+    counts, n, k, extra = CASES[case]
+    args = make_operands(counts, n, k, extra)
+    out = launch_grouped_gemm_fp8_wgrad(*args, out_dtype)
+    check(out, *args, out_dtype, counts)
+
+
+def test_reference_is_dy_transpose_x():
+    """The oracle itself against an independent formulation: per expert, dY_e^T @ X_e in fp32."""
+    counts = [128, 0, 256]
+    a_t, a_t_scale, b_t, b_t_scale, offsets = (t.cpu() for t in make_operands(counts, 128, 256, device="cpu"))
+    dy = (a_t.float() * a_t_scale.T.repeat_interleave(BLOCK, 1)).T  # [M, N]
+    x = (b_t.float() * b_t_scale.T.repeat_interleave(BLOCK, 1)).T  # [M, K]
+    ref = grouped_gemm_fp8_wgrad_reference(a_t, a_t_scale, b_t, b_t_scale, offsets)
+    assert rel_error(ref[0], dy[:128].T @ x[:128]) < 1e-6  # summation order differs: rounding only
+    assert rel_error(ref[2], dy[128:384].T @ x[128:384]) < 1e-6
+    assert torch.equal(ref[1], torch.zeros(128, 256))
+
+
+def test_non_finite_scales_give_non_finite_output():
+    a_t, a_t_scale, b_t, b_t_scale, offsets = make_operands([128, 128], 128, 128)
+    a_t_scale[1, 5] = float("nan")  # expert 1, column n = 5
+    b_t_scale[0, 9] = float("inf")  # expert 0, column k = 9
+    out = launch_grouped_gemm_fp8_wgrad(a_t, a_t_scale, b_t, b_t_scale, offsets).cpu()
+    assert torch.isnan(out[1, 5]).all() and not torch.isfinite(out[0, :, 9]).any()
+    assert int((~torch.isfinite(out)).sum()) == 128 + 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", mod.WGRAD_CONFIGS, ids=str)
+def test_every_config(config):
+    """Each autotune candidate is correct (the autotuner may pick any), on a shape with many tiles."""
+    counts = [300, 0, 1000, 129, 640, 0, 17, 900]
+    args = make_operands(counts, 384, 512, extra_rows=48)
+    out = launch_grouped_gemm_fp8_wgrad(*args, torch.float32, config=config)
+    check(out, *args, torch.float32, counts)
+
+
+def test_zero_rows():
+    a_t = torch.empty(128, 0, dtype=FP8_DTYPE, device=DEVICE)
+    b_t = torch.empty(256, 0, dtype=FP8_DTYPE, device=DEVICE)
+    offsets = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    out = grouped_gemm_fp8_wgrad(
+        a_t, torch.empty(0, 128, device=DEVICE), b_t, torch.empty(0, 256, device=DEVICE), offsets
+    )
+    assert out.shape == (3, 128, 256) and not out.any()
+
+
+def test_autotune_keys_are_kernel_arguments():
+    tuned = mod._grouped_gemm_fp8_wgrad_tuned
+    assert list(tuned.keys) == AUTOTUNE_KEY and "M" not in tuned.keys
+    assert set(tuned.keys) <= set(tuned.fn.arg_names)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_op_dispatch_and_compile(out_dtype):
+    counts = [128, 0, 256]
+    args = make_operands(counts, 128, 256)
+    eager = grouped_gemm_fp8_wgrad(*args, out_dtype)
+    compiled = torch.compile(grouped_gemm_fp8_wgrad, fullgraph=True)(*args, out_dtype)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    check(eager, *args, out_dtype, counts)
+
+
+def test_opcheck():
+    args = make_operands([128, 128], 128, 128)
+    before = [t.clone() for t in args]
+    # test_schema is left out: its mutation check calls torch.allclose, which has no fp8 kernel
+    # ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'); the check below replaces it.
+    torch.library.opcheck(
+        torch.ops.fp8flow.grouped_gemm_fp8_wgrad.default,
+        (*args, torch.float32),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+    for t, t0 in zip(args, before, strict=True):
+        assert torch.equal(t.view(torch.uint8), t0.view(torch.uint8)), "inputs must not be mutated"
+
+
+def _good():
+    return {
+        "a_t": torch.zeros(128, 256, dtype=FP8_DTYPE),
+        "a_t_scale": torch.ones(2, 128),
+        "b_t": torch.zeros(256, 256, dtype=FP8_DTYPE),
+        "b_t_scale": torch.ones(2, 256),
+        "group_end_offsets": torch.tensor([128, 256], dtype=torch.int32),
+    }
+
+
+BAD = [
+    ({"a_t": torch.zeros(128, 256)}, TypeError, "a_t must have dtype"),
+    ({"b_t": torch.zeros(256, 2, 128, dtype=FP8_DTYPE)}, ValueError, "b_t must have 2 dims"),
+    ({"b_t_scale": torch.ones(2, 256, dtype=torch.bfloat16)}, TypeError, "b_t_scale must have dtype"),
+    ({"b_t": torch.zeros(256, 384, dtype=FP8_DTYPE)}, ValueError, "b_t must have M = 256"),
+    ({"a_t": torch.zeros(100, 256, dtype=FP8_DTYPE)}, ValueError, "a_t N"),
+    ({"b_t": torch.zeros(200, 256, dtype=FP8_DTYPE)}, ValueError, "b_t K"),
+    (
+        {"a_t": torch.zeros(128, 250, dtype=FP8_DTYPE), "b_t": torch.zeros(256, 250, dtype=FP8_DTYPE)},
+        ValueError,
+        "a_t M",
+    ),
+    ({"a_t": torch.zeros(256, 128, dtype=FP8_DTYPE).t()}, ValueError, "a_t must be contiguous"),
+    ({"b_t_scale": torch.ones(256, 2).t()}, ValueError, "b_t_scale must be contiguous"),
+    ({"a_t_scale": torch.ones(2, 256)}, ValueError, "a_t_scale must have shape"),
+    ({"group_end_offsets": torch.tensor([128, 256])}, TypeError, "group_end_offsets must have dtype"),
+    ({"group_end_offsets": torch.zeros(0, dtype=torch.int32)}, ValueError, "at least one expert"),
+]
+
+
+@pytest.mark.parametrize(("override", "error", "match"), BAD, ids=[m for _, _, m in BAD])
+def test_bad_input(override, error, match):
+    with pytest.raises(error, match=match):
+        grouped_gemm_fp8_wgrad(**{**_good(), **override})
+
+
+def test_bad_out_dtype():
+    with pytest.raises(TypeError, match="out_dtype"):
+        grouped_gemm_fp8_wgrad(**_good(), out_dtype=torch.float16)
+
+
+def test_opt_in_validation_of_offsets(monkeypatch):
+    monkeypatch.setenv("FP8FLOW_VALIDATE", "1")
+    with pytest.raises(ValueError, match="multiples of 128"):
+        grouped_gemm_fp8_wgrad(**{**_good(), "group_end_offsets": torch.tensor([64, 256], dtype=torch.int32)})
