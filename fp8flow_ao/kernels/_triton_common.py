@@ -38,3 +38,31 @@ def nan_free_abs(x):
     """|x| in fp32 with NaN replaced by 0 (NaN never decides a block's scale)."""
     a = tl.abs(x.to(tl.float32))
     return tl.where(a != a, 0.0, a)
+
+
+def col_block(cols: int, max_block: int, min_block: int = 16) -> int:
+    """Power-of-two column tile for a row-wise memory-bound kernel (host-side launch helper).
+
+    The largest power of two ``<= max_block`` and ``>= min_block`` that divides ``cols``, so no program
+    runs a masked tail (D = 7168 = 7 x 1024 gets 1024, not 2048 with a half-empty last tile); when
+    none divides, the tile covers ``cols`` up to ``max_block`` and the last one is masked.
+    """
+    widest = min(triton.next_power_of_2(max(cols, 1)), max_block)
+    block = widest
+    while block >= min_block:
+        if cols % block == 0:
+            return block
+        block //= 2
+    return widest
+
+
+@triton.jit
+def nan_ignoring_amax(x, axis: tl.constexpr):
+    """Block maxima of |x| along ``axis`` for :func:`pow2_scale_inv_and_scale`, NaN ignored.
+
+    Gives the scales that ``tl.max(nan_free_abs(x), axis)`` gives, two instructions per element
+    cheaper (no compare + select): Triton's ``max`` is ``maxnum`` on the GPU and ``np.nanmax`` in the
+    interpreter, both skip NaN. An all-NaN slice yields NaN instead of 0, and
+    :func:`pow2_scale_inv_and_scale` floors both to ``AMAX_EPS`` alike (``maximum`` is ``maxnum`` too).
+    """
+    return tl.max(tl.abs(x.to(tl.float32)), axis=axis)

@@ -1,0 +1,492 @@
+"""swiglu_quant: fused SwiGLU (x router prob) + 1x128 E4M3 quantization, forward and backward.
+
+The MoE layer runs FC1 as one grouped GEMM against ``cat([w1, w3], dim=-2)``, so its output
+``h`` is ``[M, 2H]`` BF16 with the gate in columns ``[0, H)`` and the up projection in ``[H, 2H)``.
+
+Forward: ``a = silu(gate) * up * prob`` in fp32, quantized 1x128 straight to E4M3 (FC2's operand);
+no BF16 activation is written.
+
+Backward: from ``grad_a`` (FC2's dgrad, BF16 ``[M, H]``) and ``h``, in fp32::
+
+    s = 1 / (1 + exp(-g));  silu = g * s
+    d_up = (grad_a * silu) * p;  d_gate = (grad_a * up * p) * (s * (1 + g * (1 - s)))
+    grad_probs[m] = sum_h (grad_a * silu) * up
+
+``dh = [d_gate | d_up]`` goes straight to E4M3 twice from the same fp32 values: row-wise (FC1 dgrad)
+and column-wise, physically transposed (FC1 wgrad). One kernel, no BF16 ``dh``.
+
+Where the work is saved: the backward recomputes ``sigmoid(gate)`` from ``h`` (an exp and a
+division per element) instead of reading anything more that the forward could have stored (4 more
+bytes per element, written once and read once). The forward writes only ``a``'s FP8 data and scales,
+which the layer keeps for FC2's wgrad (or recomputes under ``recompute_experts``).
+
+Layouts (every tensor contiguous unless said otherwise; ``scale_inv`` = dequantize multiplier, a
+power of two, fp32):
+
+* ``h`` ``[M, 2H]`` and ``grad_a`` ``[M, H]``: row-major (last dim contiguous; row stride free).
+* ``a_data [M, H]`` + ``a_scale [M, H/128]``; ``dh_data [M, 2H]`` + ``dh_scale [M, 2H/128]``: row-wise.
+* ``dh_t_data [2H, M]`` (tokens contiguous) + ``dh_t_scale [M/128, 2H]``: column-wise, one scale per
+  (128-row block, column).
+* Rows at or after the last group end offset are neither read nor computed: data 0, scale 0,
+  ``grad_probs`` 0. (Pad rows *inside* a group cannot be told apart from real rows by the end
+  offsets alone: there FC1 wrote zeros, so the data is 0 and the scale the all-zero block's tiny one.)
+
+Numerics: the kernels and the references evaluate the same formulas in the same order, in fp32,
+with no fused multiply-add (``enable_fp_fusion=False``). ``exp`` and the division are the only
+steps whose rounding can differ: torch's CPU ``exp``, numpy's (the interpreter) and the GPU's
+``ex2.approx`` differ by an ulp or two, and the GPU divides with ``div.full`` (within 2 ulp), which moves an E4M3 rounding at a
+few elements per million and, far more rarely, a scale whose block maximum sits next to a power of
+two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8flow_ao._checks import (
+    check_contiguous,
+    check_group_end_offsets,
+    check_multiple,
+    check_row_major,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
+from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch settings of one kernel: rows per program, warps, and software-pipeline stages of its loop."""
+
+    block_m: int
+    num_warps: int
+    num_stages: int = 1
+
+
+# Register, spill and instruction figures below are from ptxas for sm_90 (triton 3.9); timings on a
+# GPU are still to be swept (benchmarks/bench_swiglu_quant.py --sweep).
+# Forward: 32 rows x 128 columns of gate and of up per program (16 KiB of BF16), 48 registers with
+# 4 warps: many programs share an SM, so one program's loads overlap another's math.
+FORWARD_CONFIG = LaunchConfig(block_m=32, num_warps=4)
+# Backward: a program owns one 128-row block (the column-wise scale block) and walks H in 128-column
+# tiles, so it owns every scale block it writes and sums grad_probs without atomics. The kernel is
+# close to issue-bound (~70 instructions per (gate, up) element pair at 8 warps, ~84 at 16, against
+# ~10 bytes moved), so 8 warps: 255 registers and a 32-byte spill, the fewest instructions. 2
+# stages prefetch the next three BF16 input tiles (96 KiB of shared memory) during this tile's math.
+BACKWARD_CONFIG = LaunchConfig(block_m=BLOCK, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _sigmoid(g):
+    """1 / (1 + exp(-g)), as the reference writes it.
+
+    The GPU divides with ``div.full.f32`` (within 2 ulp), not ``tl.div_rn``: the IEEE division's
+    slow-path subroutine call at every element made ptxas spill the whole tile (sm_90, 8 warps: 32
+    registers and a 7 KiB stack per thread).
+    """
+    return 1.0 / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _rows_end(offsets_ptr, num_groups, M, HAS_OFFSETS: tl.constexpr):
+    """First row that is not computed: the last group end offset (clamped to M), or M."""
+    end = M
+    if HAS_OFFSETS:
+        end = tl.minimum(tl.load(offsets_ptr + num_groups - 1), M)
+    return end
+
+
+@triton.jit
+def _swiglu_quant_kernel(
+    h_ptr,
+    probs_ptr,
+    offsets_ptr,
+    data_ptr,
+    scale_inv_ptr,
+    M,
+    H,
+    stride_hm,
+    num_groups,
+    HAS_PROBS: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """One program: ``BLOCK_M`` rows x one 128-column block of ``a`` (reads that block of gate and of up)."""
+    pid_h = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < _rows_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
+    rows64 = rows.to(tl.int64)
+    gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    g = tl.load(gate_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    u = tl.load(gate_ptrs + H, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    a = g * _sigmoid(g) * u
+    if HAS_PROBS:
+        a = a * tl.load(probs_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    scale_inv, scale = pow2_scale_inv_and_scale(nan_ignoring_amax(a, axis=1))
+    tl.store(data_ptr + rows64[:, None] * H + cols[None, :], (a * scale[:, None]).to(tl.float8e4nv))
+    tl.store(scale_inv_ptr + rows64 * (H // BLOCK_H) + pid_h, tl.where(row_ok, scale_inv, 0.0))
+
+
+@triton.jit
+def _store_rowwise_and_colwise(
+    x,
+    col0,
+    rows,
+    row_ok,
+    block_ok,
+    M,
+    two_h,
+    data_ptr,
+    scale_ptr,
+    data_t_ptr,
+    scale_t_row_ptr,
+    BLOCK_H: tl.constexpr,
+):
+    """Quantize one fp32 128-row x 128-column tile of ``dh`` (columns ``col0 + [0, 128)``) both ways.
+
+    Row-wise: one scale per row of the tile. Column-wise: one scale per column of the tile (into
+    ``scale_t_row_ptr``, the row of column-wise scales of this 128-row block), data stored
+    transposed (tokens contiguous). Both from the same fp32 values.
+    """
+    cols = col0 + tl.arange(0, BLOCK_H)
+    rows64 = rows.to(tl.int64)
+    r_inv, r = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=1))
+    tl.store(data_ptr + rows64[:, None] * two_h + cols[None, :], (x * r[:, None]).to(tl.float8e4nv))
+    tl.store(scale_ptr + rows64 * (two_h // BLOCK_H) + col0 // BLOCK_H, tl.where(row_ok, r_inv, 0.0))
+    c_inv, c = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=0))
+    q_t = tl.trans((x * c[None, :]).to(tl.float8e4nv))
+    tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], q_t)
+    tl.store(scale_t_row_ptr + cols, tl.where(block_ok, c_inv, 0.0))
+
+
+@triton.jit
+def _swiglu_quant_backward_kernel(
+    grad_a_ptr,
+    h_ptr,
+    probs_ptr,
+    offsets_ptr,
+    dh_ptr,
+    dh_scale_ptr,
+    dh_t_ptr,
+    dh_t_scale_ptr,
+    grad_probs_ptr,
+    M,
+    H,
+    stride_gm,
+    stride_hm,
+    num_groups,
+    HAS_PROBS: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """One program: one 128-row block, walking H in 128-column tiles; writes the d_gate and d_up
+    tiles of both ``dh`` layouts and the block's ``grad_probs``."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    end = _rows_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
+    row_ok = rows < end
+    block_ok = pid * BLOCK_M < end
+    rows64 = rows.to(tl.int64)
+    scale_t_row_ptr = dh_t_scale_ptr + pid.to(tl.int64) * 2 * H
+    if HAS_PROBS:
+        p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    grad_probs = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for col0 in tl.range(0, H, BLOCK_H, num_stages=NUM_STAGES):
+        cols = col0 + tl.arange(0, BLOCK_H)
+        ga = tl.load(grad_a_ptr + rows64[:, None] * stride_gm + cols[None, :], mask=row_ok[:, None], other=0.0)
+        gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+        g = tl.load(gate_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        u = tl.load(gate_ptrs + H, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        ga = ga.to(tl.float32)
+        s = _sigmoid(g)
+        d_up = ga * (g * s)
+        d_gate = ga * u
+        if HAS_PROBS:
+            grad_probs += tl.sum(d_up * u, axis=1)
+            d_up = d_up * p
+            d_gate = d_gate * p
+        d_gate = d_gate * (s * (1.0 + g * (1.0 - s)))
+        # d_gate first: only d_up stays live across its quantization (fewest registers).
+        _store_rowwise_and_colwise(
+            d_gate, col0, rows, row_ok, block_ok, M, 2 * H, dh_ptr, dh_scale_ptr, dh_t_ptr, scale_t_row_ptr, BLOCK_H
+        )
+        _store_rowwise_and_colwise(
+            d_up, H + col0, rows, row_ok, block_ok, M, 2 * H, dh_ptr, dh_scale_ptr, dh_t_ptr, scale_t_row_ptr, BLOCK_H
+        )
+    if HAS_PROBS:
+        tl.store(grad_probs_ptr + rows, grad_probs)
+
+
+def _kernel_flags(probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None) -> dict:
+    """Constexpr flags of both kernels. Absent optional inputs pass ``h``'s pointer, never read."""
+    return {"HAS_PROBS": probs is not None, "HAS_OFFSETS": group_end_offsets is not None}
+
+
+def launch_swiglu_quant(
+    h: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    group_end_offsets: torch.Tensor | None = None,
+    config: LaunchConfig = FORWARD_CONFIG,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`swiglu_quant`."""
+    if BLOCK % config.block_m:
+        raise ValueError(f"the forward needs block_m dividing {BLOCK} (M is a multiple of it), got {config}")
+    m, two_h = h.shape
+    hidden = two_h // 2
+    data = torch.empty((m, hidden), dtype=FP8_DTYPE, device=h.device)
+    scale_inv = torch.empty((m, hidden // BLOCK), dtype=torch.float32, device=h.device)
+    if m == 0:
+        return data, scale_inv
+    _swiglu_quant_kernel[(triton.cdiv(m, config.block_m), hidden // BLOCK)](
+        h,
+        h if probs is None else probs,
+        h if group_end_offsets is None else group_end_offsets,
+        data,
+        scale_inv,
+        m,
+        hidden,
+        h.stride(0),
+        0 if group_end_offsets is None else group_end_offsets.numel(),
+        **_kernel_flags(probs, group_end_offsets),
+        BLOCK_M=config.block_m,
+        BLOCK_H=BLOCK,
+        num_warps=config.num_warps,
+        enable_fp_fusion=False,  # no fma contraction: the same roundings as the reference
+    )
+    return data, scale_inv
+
+
+def launch_swiglu_quant_backward(
+    grad_a: torch.Tensor,
+    h: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    group_end_offsets: torch.Tensor | None = None,
+    config: LaunchConfig = BACKWARD_CONFIG,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as the op
+    ``fp8flow::swiglu_quant_backward`` (``grad_probs`` is an empty tensor without ``probs``)."""
+    if config.block_m != BLOCK:
+        raise ValueError(f"the backward needs block_m == {BLOCK} (one column-wise scale block), got {config}")
+    m, two_h = h.shape
+    dev = h.device
+    dh = torch.empty((m, two_h), dtype=FP8_DTYPE, device=dev)
+    dh_scale = torch.empty((m, two_h // BLOCK), dtype=torch.float32, device=dev)
+    dh_t = torch.empty((two_h, m), dtype=FP8_DTYPE, device=dev)
+    dh_t_scale = torch.empty((m // BLOCK, two_h), dtype=torch.float32, device=dev)
+    grad_probs = torch.empty((m if probs is not None else 0,), dtype=torch.float32, device=dev)
+    if m == 0:
+        return dh, dh_scale, dh_t, dh_t_scale, grad_probs
+    _swiglu_quant_backward_kernel[(m // BLOCK,)](
+        grad_a,
+        h,
+        h if probs is None else probs,
+        h if group_end_offsets is None else group_end_offsets,
+        dh,
+        dh_scale,
+        dh_t,
+        dh_t_scale,
+        h if probs is None else grad_probs,
+        m,
+        two_h // 2,
+        grad_a.stride(0),
+        h.stride(0),
+        0 if group_end_offsets is None else group_end_offsets.numel(),
+        **_kernel_flags(probs, group_end_offsets),
+        BLOCK_M=BLOCK,
+        BLOCK_H=BLOCK,
+        NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+        enable_fp_fusion=False,  # no fma contraction: the same roundings as the reference
+    )
+    return dh, dh_scale, dh_t, dh_t_scale, grad_probs
+
+
+def _rows_computed(m: int, group_end_offsets: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Bool ``[M]``: rows before the last group end offset (all rows without offsets). No host sync."""
+    if group_end_offsets is None:
+        return torch.ones(m, dtype=torch.bool, device=device)
+    return torch.arange(m, device=device) < group_end_offsets[-1].clamp(max=m)
+
+
+def _sigmoid_reference(g: torch.Tensor) -> torch.Tensor:
+    """The kernels' sigmoid, operation for operation."""
+    return 1.0 / (1.0 + torch.exp(-g))
+
+
+def _gate_up_reference(h: torch.Tensor, rows_ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 gate and up halves of ``h``, zero in rows that are not computed (the kernels' masked loads)."""
+    hf = torch.where(rows_ok[:, None], h.float(), 0.0)
+    hidden = h.shape[1] // 2
+    return hf[:, :hidden], hf[:, hidden:]
+
+
+def swiglu_quant_reference(
+    h: torch.Tensor, probs: torch.Tensor | None = None, group_end_offsets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`swiglu_quant` (the oracle and the CPU path)."""
+    rows_ok = _rows_computed(h.shape[0], group_end_offsets, h.device)
+    g, u = _gate_up_reference(h, rows_ok)
+    a = g * _sigmoid_reference(g) * u
+    if probs is not None:
+        a = a * torch.where(rows_ok, probs, 0.0)[:, None]
+    data, scale_inv = quantize_rows_reference(a, BLOCK)
+    return data, torch.where(rows_ok[:, None], scale_inv, 0.0)
+
+
+def _quantize_columns_reference(x: torch.Tensor, rows_ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column-wise 128x1 quantization of ``x [M, N]``: data transposed ``[N, M]``, scales ``[M/128, N]``."""
+    data_t, scale_t = quantize_rows_reference(x.t(), BLOCK)
+    return data_t, torch.where(rows_ok[::BLOCK, None], scale_t.t(), 0.0).contiguous()
+
+
+def swiglu_quant_backward_reference(
+    grad_a: torch.Tensor,
+    h: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    group_end_offsets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of the op ``fp8flow::swiglu_quant_backward`` (``grad_probs`` empty without ``probs``)."""
+    rows_ok = _rows_computed(h.shape[0], group_end_offsets, h.device)
+    g, u = _gate_up_reference(h, rows_ok)
+    ga = torch.where(rows_ok[:, None], grad_a.float(), 0.0)
+    s = _sigmoid_reference(g)
+    dsilu = s * (1.0 + g * (1.0 - s))
+    t = ga * (g * s)
+    d_up, d_gate = t, ga * u
+    grad_probs = h.new_empty((0,), dtype=torch.float32)
+    if probs is not None:
+        p = torch.where(rows_ok, probs, 0.0)[:, None]
+        d_up, d_gate = d_up * p, d_gate * p
+        grad_probs = (t * u).sum(dim=1)
+    dh = torch.cat([d_gate * dsilu, d_up], dim=1)
+    dh_data, dh_scale = quantize_rows_reference(dh, BLOCK)
+    dh_t_data, dh_t_scale = _quantize_columns_reference(dh, rows_ok)
+    return dh_data, torch.where(rows_ok[:, None], dh_scale, 0.0), dh_t_data, dh_t_scale, grad_probs
+
+
+@torch.library.custom_op("fp8flow::swiglu_quant", mutates_args=())
+def _swiglu_quant_op(
+    h: torch.Tensor, probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_quant_reference(h, probs, group_end_offsets)
+
+
+_swiglu_quant_op.register_kernel("cuda")(launch_swiglu_quant)
+
+
+@_swiglu_quant_op.register_fake
+def _(
+    h: torch.Tensor, probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    m, two_h = h.shape
+    return h.new_empty((m, two_h // 2), dtype=FP8_DTYPE), h.new_empty((m, two_h // 2 // BLOCK), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8flow::swiglu_quant_backward", mutates_args=())
+def _swiglu_quant_backward_op(
+    grad_a: torch.Tensor, h: torch.Tensor, probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_quant_backward_reference(grad_a, h, probs, group_end_offsets)
+
+
+_swiglu_quant_backward_op.register_kernel("cuda")(launch_swiglu_quant_backward)
+
+
+@_swiglu_quant_backward_op.register_fake
+def _(
+    grad_a: torch.Tensor, h: torch.Tensor, probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, two_h = h.shape
+    return (
+        h.new_empty((m, two_h), dtype=FP8_DTYPE),
+        h.new_empty((m, two_h // BLOCK), dtype=torch.float32),
+        h.new_empty((two_h, m), dtype=FP8_DTYPE),
+        h.new_empty((m // BLOCK, two_h), dtype=torch.float32),
+        h.new_empty((m if probs is not None else 0,), dtype=torch.float32),
+    )
+
+
+def _check_inputs(h: object, probs: object, group_end_offsets: object) -> None:
+    """The checks both public ops share (shapes, dtypes, strides, devices; no data read)."""
+    check_tensor("h", h, dtypes=torch.bfloat16, ndim=2)
+    check_row_major("h", h)
+    m, two_h = h.shape
+    if two_h == 0:
+        raise ValueError(f"h must be [M, 2H] with H > 0, got shape {tuple(h.shape)}")
+    check_multiple("h", two_h, 2 * BLOCK, what="width 2H (gate | up, H a multiple of 128)")
+    check_multiple("h", m, BLOCK, what="row count M")
+    if probs is not None:
+        check_tensor("probs", probs, dtypes=torch.float32, ndim=1)
+        check_shape("probs", probs, (m,))
+        check_contiguous("probs", probs)
+    if group_end_offsets is not None:
+        check_group_end_offsets("group_end_offsets", group_end_offsets, rows=m)
+        if group_end_offsets.numel() == 0:
+            raise ValueError("group_end_offsets must hold at least one group end offset, got an empty tensor")
+    check_same_device(h=h, probs=probs, group_end_offsets=group_end_offsets)
+
+
+def swiglu_quant(
+    h: torch.Tensor, probs: torch.Tensor | None = None, group_end_offsets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a = silu(gate) * up * prob`` (fp32) quantized 1x128 to E4M3, in one pass over ``h``.
+
+    Args:
+        h: FC1's output, BF16 ``[M, 2H]``, row-major (last dim contiguous; the row stride is free):
+            gate in columns ``[0, H)``, up projection in ``[H, 2H)``. ``M`` and ``H`` multiples of 128.
+        probs: fp32 ``[M]`` contiguous router probability of each row (0 on pad rows), or ``None``
+            (no weighting).
+        group_end_offsets: int32 ``[E]`` expert group end offsets (multiples of 128, non-decreasing,
+            on ``h``'s device), or ``None`` (every row is computed). Rows at or after the last one
+            are not read; their outputs are data 0 and scale 0.
+
+    Returns:
+        ``(a_data, a_scale)``: ``a_data`` E4M3 ``[M, H]`` row-major; ``a_scale`` fp32
+        ``[M, H / 128]`` (COMPACT row-wise), the dequantize multiplier (``a ~= data * scale``), a
+        power of two.
+    """
+    _check_inputs(h, probs, group_end_offsets)
+    return torch.ops.fp8flow.swiglu_quant(h, probs, group_end_offsets)
+
+
+def swiglu_quant_backward(
+    grad_a: torch.Tensor,
+    h: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    group_end_offsets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """SwiGLU backward: ``dh = [d_gate | d_up]`` in fp32, quantized to E4M3 row-wise and column-wise.
+
+    Args:
+        grad_a: gradient of :func:`swiglu_quant`'s ``a`` (FC2's dgrad), BF16 ``[M, H]`` row-major.
+        h, probs, group_end_offsets: as for :func:`swiglu_quant` (the forward's inputs).
+
+    Returns:
+        ``(dh_data, dh_scale, dh_t_data, dh_t_scale, grad_probs)``:
+
+        * ``dh_data`` E4M3 ``[M, 2H]`` row-major + ``dh_scale`` fp32 ``[M, 2H / 128]``: 1x128
+          row-wise blocks (FC1 dgrad's operand).
+        * ``dh_t_data`` E4M3 ``[2H, M]`` (``dh`` transposed: tokens contiguous) + ``dh_t_scale``
+          fp32 ``[M / 128, 2H]``: one scale per (128-row block, column) (FC1 wgrad's operand).
+        * ``grad_probs`` fp32 ``[M]`` (``sum_h grad_a * silu(gate) * up``), or ``None`` without ``probs``.
+
+        Scales are dequantize multipliers (powers of two). Rows at or after the last group end
+        offset: data 0 and scale 0 in both layouts, ``grad_probs`` 0.
+    """
+    _check_inputs(h, probs, group_end_offsets)
+    check_tensor("grad_a", grad_a, dtypes=torch.bfloat16, ndim=2)
+    check_row_major("grad_a", grad_a)
+    check_shape("grad_a", grad_a, (h.shape[0], h.shape[1] // 2))
+    check_same_device(grad_a=grad_a, h=h)
+    *dh, grad_probs = torch.ops.fp8flow.swiglu_quant_backward(grad_a, h, probs, group_end_offsets)
+    return (*dh, grad_probs if probs is not None else None)
