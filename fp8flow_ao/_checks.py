@@ -108,3 +108,22 @@ def validate_group_end_offsets(name: str, offsets: torch.Tensor, rows: int, alig
         raise ValueError(f"{name} must be multiples of {align} (128-aligned expert groups), got {o.tolist()}")
     if int(o[-1]) > rows:
         raise ValueError(f"{name} last offset {int(o[-1])} is past the end of the {rows} rows")
+
+
+def validate_index_range(name: str, indices: torch.Tensor, low: int, high: int) -> None:
+    """Check that every value of ``indices`` lies in ``[low, high)`` (reads the device: opt-in).
+
+    Used for router expert indices (``[0, num_experts)``) and the row maps of permute/unpermute, whose
+    out-of-range values would otherwise trip a device-side assert or read out of bounds.
+    """
+    if indices.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(indices.detach()))
+    if lo < low or hi >= high:
+        raise ValueError(f"{name} values must lie in [{low}, {high}), got min {lo} and max {hi}")
+
+
+def check_positive_int(name: str, value: object) -> None:
+    """Raise unless ``value`` is a positive Python ``int`` (``bool`` excluded)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

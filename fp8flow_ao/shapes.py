@@ -28,3 +28,6 @@ BENCH_SHAPES = (DEEPSEEK_V3, DEEPSEEK_V3_E8, QWEN3_30B_A3B)
 BENCH_ROUTED_ROWS = (16384, 32768)
 # A tiny shape with every dim a multiple of 128, for CPU tests of whole layers.
 TINY = MoEShape("tiny", dim=256, hidden=128, experts=4, top_k=2)
+# Routed rows (tokens x top-k) at which the dispatch-side data movement (permute_pad,
+# unpermute_unpad) is reported: 4096 and 8192 tokens at top-8.
+BENCH_DISPATCH_ROWS = (32768, 65536)

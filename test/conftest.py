@@ -64,8 +64,35 @@ def _patch_interpreter_fp8_casts() -> None:
     builder_cls._fp8flow_original_fp_to_fp = original
 
 
+def _patch_interpreter_bf16_downcast() -> None:
+    """Make the interpreter's fp32/fp64 -> bf16 conversion round to nearest even, as the GPU does.
+
+    The interpreter (triton 3.9) truncates: it drops the low mantissa bits, so 1 + 2**-7 + 2**-8 (a tie) stays
+    1 + 2**-7 instead of rounding to the even 1 + 2**-6. ``test_unpermute_unpad.py`` proves the bug and the fix.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder_cls = interpreter.InterpreterBuilder
+    if getattr(builder_cls, "_fp8flow_bf16_patched", False):
+        return
+    original = builder_cls.create_fp_trunc
+
+    def create_fp_trunc(self, src, dst_type):
+        if dst_type.scalar == tl.bfloat16 and src.dtype.scalar in (tl.float32, tl.float64):
+            x = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            bits = x.view(torch.int16).numpy().view(np.uint16).reshape(np.shape(src.data))
+            return interpreter.TensorHandle(bits, tl.bfloat16)
+        return original(self, src, dst_type)
+
+    builder_cls.create_fp_trunc = create_fp_trunc
+    builder_cls._fp8flow_bf16_patched = True
+    builder_cls._fp8flow_original_fp_trunc = original
+
+
 if INTERPRETING:
     _patch_interpreter_fp8_casts()
+    _patch_interpreter_bf16_downcast()
 
 
 def pytest_configure(config: pytest.Config) -> None:

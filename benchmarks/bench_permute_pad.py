@@ -1,0 +1,143 @@
+"""Benchmark permute_pad: route + fused gather of FP8 rows and their 1x128 scales into 128-aligned groups.
+
+Cases: DeepSeek-V3-like (D = 7168, E = 32) and Qwen3-30B-A3B-like (D = 2048, E = 128) experts, top-8,
+T*k = 32768 and 65536 routed rows, balanced and skewed (Zipf, some experts empty) routing.
+
+Timed (inputs rotated past L2):
+* ``permute_pad`` end to end (``route_pad`` on the router ids + the gather kernel + permuted probs),
+  against ``torch.compile(fullgraph=True)`` of ``permute_pad_reference`` and against the unfused eager
+  sequence a user would write (argsort, index_select gather, then a copy into the zeroed padded buffer,
+  for data, scales and probs);
+* the gather kernel alone (``permute_pad_rows`` given ``src_rows``), against ``torch.compile`` of
+  ``permute_pad_rows_reference``.
+
+Bytes at the algorithmic minimum (each input read once, each output written once):
+* end to end: read x ``T*D`` (1 B) + scales ``T*D/128*4`` + ids ``T*k*8`` + probs ``T*k*4``; write data
+  ``M_pad*D`` + scales ``M_pad*D/128*4`` + probs ``M_pad*4`` + src_rows ``M_pad*4`` + dst_rows ``T*k*4`` + offsets;
+* gather: read x + scales + src_rows; write data + scales.
+``M_pad`` is the static bound the kernel writes in full (pad rows and the unused tail are zeroed).
+Each token row is read once at the minimum but fetched k times by the gather (from L2 when it stays
+there); ``gbps_rows_fetched`` counts those k fetches, the traffic if none of them hit L2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from _bench import bench_us, n_rotations, routed_expert_ids, row, write_results
+
+from fp8flow_ao._format import BLOCK, FP8_DTYPE
+from fp8flow_ao.kernels.permute_pad import (
+    padded_rows_bound,
+    permute_pad,
+    permute_pad_reference,
+    permute_pad_rows,
+    permute_pad_rows_reference,
+    route_pad,
+)
+from fp8flow_ao.shapes import BENCH_DISPATCH_ROWS, DEEPSEEK_V3, QWEN3_30B_A3B
+
+
+def unfused_permute_pad(x, x_scale, expert_indices, probs, num_experts):
+    """The eager sequence without the fused kernel: sort rows by expert, gather them, then copy each
+    expert's rows into its 128-aligned slot of a zeroed padded buffer (data, scales and probs)."""
+    n, top_k = expert_indices.numel(), expert_indices.shape[1]
+    flat = expert_indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = order // top_k
+    data = x.view(torch.uint8).index_select(0, tokens)  # FP8 rows as bytes
+    scale = x_scale.index_select(0, tokens)
+    p = probs.reshape(-1).index_select(0, order)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + BLOCK - 1) // BLOCK * BLOCK
+    sorted_ids = flat.index_select(0, order)
+    dest = (
+        torch.arange(n, device=x.device)
+        + ((torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts))[sorted_ids]
+    )
+    m_pad = padded_rows_bound(n, num_experts)
+    out = torch.zeros((m_pad, x.shape[1]), dtype=torch.uint8, device=x.device).index_copy_(0, dest, data)
+    out_scale = torch.zeros((m_pad, x_scale.shape[1]), device=x.device).index_copy_(0, dest, scale)
+    out_probs = torch.zeros(m_pad, device=x.device).index_copy_(0, dest, p)
+    return out.view(FP8_DTYPE), out_scale, out_probs, torch.cumsum(padded, 0)
+
+
+def _inputs(tokens: int, dim: int, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x = (torch.randn(tokens, dim, device="cuda") * 64).to(FP8_DTYPE)
+    x_scale = torch.exp2(torch.randint(-8, 8, (tokens, dim // BLOCK), device="cuda").float())
+    probs = torch.rand(ids.shape, device="cuda")
+    return x, x_scale, ids, probs
+
+
+def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
+    top_k, experts, dim = shape.top_k, shape.experts, shape.dim
+    tokens = total_rows // top_k
+    m_pad = padded_rows_bound(total_rows, experts)
+    nb = dim // BLOCK
+    set_bytes = tokens * dim + tokens * nb * 4 + total_rows * 12
+    sets = [
+        _inputs(tokens, dim, routed_expert_ids(total_rows, top_k, experts, skewed, seed=i))
+        for i in range(n_rotations(set_bytes))
+    ]
+    gather_sets = [(x, s, route_pad(ids, experts)[0], top_k) for x, s, ids, _ in sets]
+    full_args = [(*s, experts) for s in sets]
+
+    got, want = permute_pad(*full_args[0]), unfused_permute_pad(*full_args[0])
+    if not torch.equal(got.data.view(torch.uint8), want[0].view(torch.uint8)) or not torch.equal(got.probs, want[2]):
+        raise RuntimeError(f"permute_pad and the unfused baseline disagree on {shape.name} T*k={total_rows}")
+    ours = bench_us(permute_pad, full_args)
+    route_us = bench_us(route_pad, [(ids, experts) for _, _, ids, _ in sets])
+    gather = bench_us(permute_pad_rows, gather_sets)
+    ref_full = bench_us(compiled["full"], full_args)
+    eager = bench_us(unfused_permute_pad, full_args)
+    ref_gather = bench_us(compiled["gather"], gather_sets)
+
+    out_bytes = m_pad * dim + m_pad * nb * 4
+    gather_bytes = set_bytes - total_rows * 12 + m_pad * 4 + out_bytes
+    full_bytes = set_bytes + out_bytes + m_pad * 8 + total_rows * 4 + experts * 4
+    fetched = (total_rows - tokens) * (dim + nb * 4)  # the k-1 extra fetches of each token row
+    case = f"{shape.name} T*k={total_rows} D={dim} E={experts} {'skewed' if skewed else 'balanced'}"
+    full = {"what": "route_pad + gather + probs", "route_pad_us": round(route_us, 2)}
+    full["gbps_rows_fetched"] = round((full_bytes + fetched) / ours / 1e3, 1)
+    part = {"what": "gather only", "gbps_rows_fetched": round((gather_bytes + fetched) / gather / 1e3, 1)}
+    return [
+        row(case, ours, "torch.compile(fullgraph) permute_pad_reference", ref_full, bytes_moved=full_bytes, **full),
+        row(case, ours, "unfused eager (argsort, index_select, pad copy)", eager, bytes_moved=full_bytes, **full),
+        row(
+            case,
+            gather,
+            "torch.compile(fullgraph) permute_pad_rows_reference",
+            ref_gather,
+            bytes_moved=gather_bytes,
+            **part,
+        ),
+    ]
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("bench_permute_pad: no CUDA device; nothing to measure.")
+        return
+    compiled = {
+        "full": torch.compile(permute_pad_reference, fullgraph=True, dynamic=False),
+        "gather": torch.compile(permute_pad_rows_reference, fullgraph=True, dynamic=False),
+    }
+    rows = [
+        r
+        for shape in (DEEPSEEK_V3, QWEN3_30B_A3B)
+        for total_rows in BENCH_DISPATCH_ROWS
+        for skewed in (False, True)
+        for r in bench_case(shape, total_rows, skewed, compiled)
+    ]
+    notes = (
+        "permute_pad rows time the whole public call: route_pad (sort + searchsorted + scatters on the "
+        "router ids) + the fused FP8 data+scale gather + permuted probs; route_pad_us is route_pad alone. "
+        "'gather only' rows time permute_pad_rows given src_rows. Bytes at the algorithmic minimum "
+        "(x read once, all M_pad output rows written); gbps_rows_fetched counts each token row k times."
+    )
+    write_results("permute_pad", rows, notes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,531 @@
+"""permute_pad: token rows ``[T, D]`` -> padded expert-major rows ``[M_pad, D]``, FP8 data and scales together.
+
+Two steps, both on the device with sizes that depend only on shapes (no device-to-host sync, so they
+run under ``torch.compile(fullgraph=True)`` and CUDA graphs):
+
+1. :func:`route_pad` (a stable ``torch.sort`` of the ids + one Triton kernel) turns the router's top-k
+   expert ids ``[T, k]`` into the row maps and the group end offsets, and permutes the router probs.
+   Every expert's group starts at a multiple of 128 (rounded up, empty experts get a zero-length
+   group) and lies inside ``M_pad = 128 * floor((T*k + E*127) / 128)``, a static upper bound on the
+   padded total. Within an expert, rows keep (token, slot) order.
+2. :func:`permute_pad_rows` (one Triton kernel) gathers ``x[src_rows[r] // k]`` into row ``r``,
+   moving a row's data and its 1x128 ``scale_inv`` in the same program; pad rows and rows past the
+   last offset get data 0 and scale 0.
+
+The same gather, given the same ``src_rows``, is the backward of the FP8-Flow layer's unweighted
+combine (an FP8 ``[T, D]`` output gradient with its scales). The backward of the gather for
+floating-point ``x`` (``grad_x[t] = sum_j grad_data[dst_rows[t*k + j]]``) is exactly
+:func:`~fp8flow_ao.kernels.unpermute_unpad.unpermute_unpad` without probs, and reuses its kernel.
+
+Layouts: ``x`` row-major (row stride free); ``x_scale`` COMPACT ``[T, ceil(D/128)]`` fp32, row-major.
+Outputs contiguous; ``scale_inv`` is the dequantize multiplier (``x ~= data * scale_inv``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8flow_ao._checks import (
+    check_contiguous,
+    check_positive_int,
+    check_row_major,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    validate_index_range,
+    validation_enabled,
+)
+from fp8flow_ao._format import BLOCK, FP8_DTYPE
+from fp8flow_ao.kernels._triton_common import col_block
+
+# Importing it also registers fp8flow::unpermute_unpad, which is the backward of the gather here.
+from fp8flow_ao.kernels.unpermute_unpad import take_rows_or_zero
+
+_INPUT_DTYPES = (FP8_DTYPE, torch.bfloat16, torch.float16, torch.float32)
+_PROBS_DTYPES = (torch.float32, torch.bfloat16)
+_EXPERT_ID_DTYPES = (torch.int32, torch.int64)
+# Rows move as raw bits (integers of the same width): exact for every value, NaN payloads included.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+# 8 KiB of data per program, 4 warps: each thread moves four 16-byte vectors. On sm_90 (ptxas via
+# triton 3.9) 8 x 1024 FP8 tiles take 96 registers (5 programs and ~40 KiB in flight per SM);
+# 16 KiB tiles took 168 (3 programs per SM), since every row of a tile costs its own addresses.
+_TILE_BYTES = 8192
+# Widest column tile: 2 KiB of a row (FP8 D = 7168 gets 1024 columns: 7 tiles, no masked tail).
+_MAX_COL_BYTES = 2048
+# Route kernel: padded rows x expert lanes per program (the row -> expert lookup is a [rows, E] compare).
+_ROUTE_TILE = 4096
+
+
+def padded_rows_bound(num_rows: int, num_experts: int) -> int:
+    """Static upper bound on the padded row count of ``num_rows`` routed rows in ``num_experts`` groups:
+    rounding a group up to a multiple of 128 adds at most 127 rows, and the total is a multiple of 128."""
+    return BLOCK * ((num_rows + num_experts * (BLOCK - 1)) // BLOCK)
+
+
+@triton.jit
+def _upper_bound(sorted_ptr, n, values, steps):
+    """Per lane: the number of sorted entries ``<= values`` (a vectorised binary search, ``steps`` >= bit length of n)."""
+    lo = tl.zeros_like(values)
+    hi = lo + n
+    for _ in range(steps):
+        active = lo < hi
+        mid = lo + (hi - lo) // 2
+        right = active & (tl.load(sorted_ptr + mid, mask=active, other=0) <= values)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    return lo
+
+
+@triton.jit
+def _route_pad_kernel(
+    sorted_ids_ptr,
+    order_ptr,
+    probs_ptr,
+    src_rows_ptr,
+    dst_rows_ptr,
+    offsets_ptr,
+    probs_out_ptr,
+    num_routed,
+    num_rows,
+    num_experts,
+    search_steps,
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+):
+    """One program: ``BLOCK_R`` padded rows. Each program rebuilds the (tiny) per-expert table from the
+    sorted ids, then fills its rows by gathering: every padded row and every routed row is written
+    exactly once (no prefill, no atomics)."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    last = num_experts - 1
+    # Sorted rows [count_starts[e], count_ends[e]) belong to expert e. Ids below 0 fall into expert 0
+    # and ids >= E into the last expert (clamped), so a bad id can never index out of bounds.
+    count_ends = tl.where(e >= last, num_routed, _upper_bound(sorted_ids_ptr, num_routed, e, search_steps))
+    below = _upper_bound(sorted_ids_ptr, num_routed, e - 1, search_steps)
+    count_starts = tl.where(e == 0, 0, tl.where(e > last, num_routed, below))
+    counts = count_ends - count_starts
+    padded = (counts + 127) // 128 * 128
+    group_ends = tl.cumsum(padded, 0)
+    group_starts = group_ends - padded
+    if pid == 0:
+        tl.store(offsets_ptr + e, group_ends, mask=e < num_experts)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    # A row's expert: the number of groups ending at or before it (skips empty groups; E past the last).
+    expert = tl.sum(((group_ends[None, :] <= rows[:, None]) & (e[None, :] < num_experts)).to(tl.int32), axis=1)
+    pick = e[None, :] == expert[:, None]
+    within = rows - tl.sum(tl.where(pick, group_starts[None, :], 0), axis=1)
+    real = row_ok & (within < tl.sum(tl.where(pick, counts[None, :], 0), axis=1))
+    sorted_pos = tl.sum(tl.where(pick, count_starts[None, :], 0), axis=1) + within
+    flat = tl.load(order_ptr + sorted_pos, mask=real, other=-1).to(tl.int32)
+    tl.store(src_rows_ptr + rows, tl.where(real, flat, -1), mask=row_ok)
+    tl.store(dst_rows_ptr + flat, rows, mask=real)
+    if HAS_PROBS:
+        p = tl.load(probs_ptr + flat, mask=real, other=0.0).to(tl.float32)
+        tl.store(probs_out_ptr + rows, p, mask=row_ok)
+
+
+def _sort_ids(expert_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # A stable sort keeps each expert's rows in (token, slot) order: deterministic across runs.
+    return torch.sort(expert_indices.reshape(-1).to(torch.int32), stable=True)
+
+
+def _empty_probs(expert_indices: torch.Tensor, probs: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+    """fp32 ``[num_rows]`` when probs are given, else an empty tensor (custom ops cannot return None)."""
+    return torch.empty(num_rows if probs is not None else 0, dtype=torch.float32, device=expert_indices.device)
+
+
+def launch_route_pad(
+    expert_indices: torch.Tensor, num_experts: int, probs: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.sort + one Triton kernel (GPU, or CPU under ``TRITON_INTERPRET=1``); contract of :func:`route_pad_reference`."""
+    n, device = expert_indices.numel(), expert_indices.device
+    num_rows = padded_rows_bound(n, num_experts)
+    sorted_ids, order = _sort_ids(expert_indices)
+    src_rows = torch.empty(num_rows, dtype=torch.int32, device=device)
+    dst_rows = torch.empty(n, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
+    probs_out = _empty_probs(expert_indices, probs, num_rows)
+    block_e = triton.next_power_of_2(num_experts)
+    block_r = max(16, _ROUTE_TILE // block_e)
+    _route_pad_kernel[(max(1, triton.cdiv(num_rows, block_r)),)](  # >= 1 program: program 0 writes the offsets
+        sorted_ids,
+        order,
+        probs.reshape(-1) if probs is not None else sorted_ids,  # unread when HAS_PROBS is False
+        src_rows,
+        dst_rows,
+        offsets,
+        probs_out,
+        n,
+        num_rows,
+        num_experts,
+        n.bit_length(),
+        BLOCK_R=block_r,
+        BLOCK_E=block_e,
+        HAS_PROBS=probs is not None,
+        num_warps=4,
+    )
+    return probs_out, src_rows, dst_rows, offsets
+
+
+def route_pad_reference(
+    expert_indices: torch.Tensor, num_experts: int, probs: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference (the oracle and the CPU path): ``(permuted_probs, src_rows, dst_rows, group_end_offsets)``.
+
+    ``permuted_probs`` is fp32 ``[M_pad]`` (0 on pad rows), or an empty tensor when ``probs`` is None; it
+    comes first so that the outputs' sum in ``opcheck``'s autograd check starts from a float tensor.
+    Out-of-range ids are clamped (below 0 -> expert 0, >= E -> the last), as in the kernel.
+    """
+    device, n = expert_indices.device, expert_indices.numel()
+    sorted_ids, order = _sort_ids(expert_indices)
+    experts = torch.arange(num_experts, dtype=torch.int32, device=device)
+    # Sorted rows of experts <= e, by binary search (a histogram with a static size); the last expert
+    # ends at n and the first starts at 0, which clamps out-of-range ids into them.
+    count_ends = torch.where(experts == num_experts - 1, n, torch.searchsorted(sorted_ids, experts, right=True))
+    counts = torch.diff(count_ends, prepend=count_ends.new_zeros(1))
+    padded = (counts + (BLOCK - 1)) // BLOCK * BLOCK
+    group_ends = torch.cumsum(padded, 0)
+    # Sorted row i is row i - count_start[e] of its expert e, whose group starts at group_end[e] - padded[e].
+    shift = (group_ends - padded) - (count_ends - counts)
+    dst_sorted = torch.arange(n, device=device) + shift[sorted_ids.clamp(0, num_experts - 1).long()]
+    dst_rows = torch.empty(n, dtype=torch.int32, device=device).scatter_(0, order, dst_sorted.to(torch.int32))
+    num_rows = padded_rows_bound(n, num_experts)
+    src_rows = torch.full((num_rows,), -1, dtype=torch.int32, device=device).scatter_(
+        0, dst_sorted, order.to(torch.int32)
+    )
+    probs_out = _empty_probs(expert_indices, probs, 0)
+    if probs is not None:
+        probs_out = take_rows_or_zero(probs.reshape(-1).float(), src_rows, 1)
+    return probs_out, src_rows, dst_rows, group_ends.to(torch.int32)
+
+
+@torch.library.custom_op("fp8flow::route_pad", mutates_args=())
+def _route_pad_op(
+    expert_indices: torch.Tensor, num_experts: int, probs: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return route_pad_reference(expert_indices, num_experts, probs)
+
+
+_route_pad_op.register_kernel("cuda")(launch_route_pad)
+
+
+@_route_pad_op.register_fake
+def _(expert_indices, num_experts, probs):
+    n = expert_indices.numel()
+    num_rows = padded_rows_bound(n, num_experts)
+    new = functools.partial(expert_indices.new_empty, dtype=torch.int32)
+    return _empty_probs(expert_indices, probs, num_rows), new(num_rows), new(n), new(num_experts)
+
+
+def _route_setup_context(ctx, inputs, output) -> None:
+    _, _, probs = inputs
+    ctx.probs_dtype, ctx.probs_shape = (None, None) if probs is None else (probs.dtype, probs.shape)
+    ctx.save_for_backward(output[2])
+
+
+def _route_backward(ctx, grad_probs_out, grad_src, grad_dst, grad_offsets):
+    """Each prob moved to exactly one padded row: its gradient is gathered back from there."""
+    if ctx.probs_dtype is None:
+        return None, None, None
+    (dst_rows,) = ctx.saved_tensors
+    return None, None, grad_probs_out.index_select(0, dst_rows).view(ctx.probs_shape).to(ctx.probs_dtype)
+
+
+_route_pad_op.register_autograd(_route_backward, setup_context=_route_setup_context)
+
+
+def route_pad(expert_indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row maps and 128-aligned group offsets for the router's top-k choice (on the device, no sync).
+
+    Args:
+        expert_indices: int32/int64 ``[T, k]``, the expert of (token t, slot j), in ``[0, num_experts)``.
+            Checked only when ``FP8FLOW_VALIDATE=1``; otherwise an out-of-range id is clamped into the
+            first or last expert (wrong routing, but never an out-of-bounds access).
+        num_experts: E, the number of (local) experts.
+
+    Returns:
+        ``(src_rows, dst_rows, group_end_offsets)``, all int32 on ``expert_indices``' device:
+        ``src_rows`` ``[M_pad]`` with ``M_pad = padded_rows_bound(T*k, E)``: the flattened ``t*k + j``
+        that fills each padded row, ``-1`` on pad rows and past the last offset; ``dst_rows``
+        ``[T*k]``: the padded row of ``t*k + j``; ``group_end_offsets`` ``[E]``: padded group ends,
+        non-decreasing multiples of 128. Within an expert, rows are in ``t*k + j`` order.
+    """
+    _check_expert_indices(expert_indices, num_experts)
+    _, src_rows, dst_rows, offsets = torch.ops.fp8flow.route_pad(expert_indices, num_experts, None)
+    return src_rows, dst_rows, offsets
+
+
+def _check_expert_indices(expert_indices: torch.Tensor, num_experts: int) -> None:
+    check_tensor("expert_indices", expert_indices, dtypes=_EXPERT_ID_DTYPES, ndim=2)
+    check_positive_int("num_experts", num_experts)
+    check_positive_int("top_k (expert_indices.shape[1])", expert_indices.shape[1])
+    if validation_enabled():
+        validate_index_range("expert_indices", expert_indices, 0, num_experts)
+
+
+@triton.jit
+def _permute_pad_rows_kernel(
+    x_ptr,
+    x_scale_ptr,
+    src_rows_ptr,
+    data_ptr,
+    scale_ptr,
+    num_rows,
+    cols,
+    num_scale_cols,
+    top_k,
+    stride_xm,
+    stride_sm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+):
+    """One program: ``BLOCK_M`` padded rows x ``BLOCK_D`` columns and their ``SCALE_COLS`` scales.
+
+    Row ``r`` copies token ``src_rows[r] // top_k``; rows with ``src_rows[r] < 0`` are written 0 and
+    read nothing. Consecutive programs walk the columns of the same rows (one src_rows load, shared).
+    """
+    pid = tl.program_id(0)
+    num_col_blocks = tl.cdiv(cols, BLOCK_D)
+    pid_m = pid // num_col_blocks
+    pid_d = pid % num_col_blocks
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < num_rows
+    src = tl.load(src_rows_ptr + rows, mask=row_ok, other=-1)
+    real = src >= 0
+    tok = (tl.where(real, src, 0) // top_k).to(tl.int64)
+    offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = offs < cols
+    vals = tl.load(x_ptr + tok[:, None] * stride_xm + offs[None, :], mask=real[:, None] & col_ok[None, :], other=0)
+    tl.store(data_ptr + rows[:, None] * cols + offs[None, :], vals, mask=row_ok[:, None] & col_ok[None, :])
+    if HAS_SCALE:
+        s_offs = pid_d * SCALE_COLS + tl.arange(0, SCALE_COLS)
+        s_ok = s_offs < num_scale_cols
+        s = tl.load(
+            x_scale_ptr + tok[:, None] * stride_sm + s_offs[None, :], mask=real[:, None] & s_ok[None, :], other=0
+        )
+        tl.store(scale_ptr + rows[:, None] * num_scale_cols + s_offs[None, :], s, mask=row_ok[:, None] & s_ok[None, :])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_BITS[t.element_size()])
+
+
+def _empty_scale(x: torch.Tensor, x_scale: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+    """``[num_rows, ceil(D/128)]`` fp32 for FP8 input, else an empty tensor (custom ops cannot return None)."""
+    shape = (num_rows, x_scale.shape[1]) if x_scale is not None else (0,)
+    return torch.empty(shape, dtype=torch.float32, device=x.device)
+
+
+def launch_permute_pad_rows(
+    x: torch.Tensor, x_scale: torch.Tensor | None, src_rows: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`permute_pad_rows`,
+    but returns an empty scale tensor instead of ``None``."""
+    num_rows, cols = src_rows.shape[0], x.shape[1]
+    data = torch.empty((num_rows, cols), dtype=x.dtype, device=x.device)
+    scale = _empty_scale(x, x_scale, num_rows)
+    if num_rows == 0 or cols == 0:
+        return data, scale
+    has_scale = x_scale is not None
+    # A column tile holds whole 128-column scale blocks, so each program moves its rows' scales too.
+    block_d = col_block(cols, _MAX_COL_BYTES // x.element_size(), BLOCK if has_scale else 16)
+    block_d = max(block_d, BLOCK) if has_scale else block_d
+    block_m = max(1, _TILE_BYTES // (block_d * x.element_size()))
+    grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(cols, block_d),)
+    _permute_pad_rows_kernel[grid](
+        _bits(x),
+        _bits(x_scale) if has_scale else src_rows,  # unread when HAS_SCALE is False
+        src_rows,
+        _bits(data),
+        _bits(scale),
+        num_rows,
+        cols,
+        scale.shape[1] if has_scale else 0,
+        top_k,
+        x.stride(0),
+        x_scale.stride(0) if has_scale else 0,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        SCALE_COLS=block_d // BLOCK if has_scale else 1,
+        HAS_SCALE=has_scale,
+        num_warps=4,
+    )
+    return data, scale
+
+
+def permute_pad_rows_reference(
+    x: torch.Tensor, x_scale: torch.Tensor | None, src_rows: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference (the oracle and the CPU path); an empty scale tensor when ``x_scale`` is None."""
+    data = take_rows_or_zero(_bits(x), src_rows, top_k).view(x.dtype)
+    if x_scale is None:
+        return data, _empty_scale(x, None, 0)
+    return data, take_rows_or_zero(_bits(x_scale), src_rows, top_k).view(torch.float32)
+
+
+@torch.library.custom_op("fp8flow::permute_pad_rows", mutates_args=())
+def _permute_pad_rows_op(
+    x: torch.Tensor, x_scale: torch.Tensor | None, src_rows: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return permute_pad_rows_reference(x, x_scale, src_rows, top_k)
+
+
+_permute_pad_rows_op.register_kernel("cuda")(launch_permute_pad_rows)
+
+
+@_permute_pad_rows_op.register_fake
+def _(x, x_scale, src_rows, top_k):
+    return x.new_empty((src_rows.shape[0], x.shape[1])), _empty_scale(x, x_scale, src_rows.shape[0])
+
+
+def _dst_rows_from_src_rows(src_rows: torch.Tensor, num_src: int) -> torch.Tensor:
+    """Invert the row map: ``dst_rows[src_rows[r]] = r`` (a scatter, no sync; every pad row writes a
+    spare last slot that is dropped)."""
+    index = torch.where(src_rows >= 0, src_rows, num_src).long()
+    rows = torch.arange(src_rows.numel(), dtype=torch.int32, device=src_rows.device)
+    return torch.empty(num_src + 1, dtype=torch.int32, device=src_rows.device).scatter_(0, index, rows)[:num_src]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, _, src_rows, top_k = inputs
+    ctx.top_k, ctx.num_src, ctx.is_fp8 = top_k, x.shape[0] * top_k, x.dtype == FP8_DTYPE
+    ctx.save_for_backward(src_rows)
+
+
+def _backward(ctx, grad_data: torch.Tensor, grad_scale: torch.Tensor):
+    if ctx.is_fp8:  # FP8 data is not differentiated here: the FP8-Flow layer owns its FP8 backward
+        return None, None, None, None
+    (src_rows,) = ctx.saved_tensors
+    dst_rows = _dst_rows_from_src_rows(src_rows, ctx.num_src)
+    # grad_x[t] = sum_j grad_data[dst_rows[t*k + j]]: unpermute_unpad without probs.
+    grad_x = torch.ops.fp8flow.unpermute_unpad(grad_data.contiguous(), dst_rows, ctx.top_k, None)
+    return grad_x, None, None, None
+
+
+_permute_pad_rows_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_rows_input(x: torch.Tensor, x_scale: torch.Tensor | None) -> None:
+    check_tensor("x", x, dtypes=_INPUT_DTYPES, ndim=2)
+    check_row_major("x", x)
+    if x.dtype == FP8_DTYPE:
+        if x_scale is None:
+            raise ValueError("x_scale is required for E4M3 x (COMPACT [T, ceil(D/128)] fp32 scale_inv)")
+        check_tensor("x_scale", x_scale, dtypes=torch.float32, ndim=2)
+        check_shape("x_scale", x_scale, (x.shape[0], -(-x.shape[1] // BLOCK)))
+        check_row_major("x_scale", x_scale)
+    elif x_scale is not None:
+        raise ValueError(f"x_scale must be None for {x.dtype} x (only E4M3 x carries scales)")
+
+
+def permute_pad_rows(
+    x: torch.Tensor, x_scale: torch.Tensor | None, src_rows: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gather token rows into padded expert-major order: row ``r`` = ``x[src_rows[r] // top_k]``.
+
+    Args:
+        x: ``[T, D]`` E4M3 (FP8 activations or output gradients) or bf16/fp16/fp32, row-major.
+        x_scale: for E4M3 ``x``, its COMPACT fp32 ``scale_inv`` ``[T, ceil(D/128)]``, row-major;
+            ``None`` otherwise.
+        src_rows: int32 ``[M_pad]`` contiguous, flattened ``t * top_k + j`` per padded row, ``-1`` on
+            pad rows (from :func:`route_pad`).
+        top_k: experts per token.
+
+    Returns:
+        ``(data, scale_inv)``: ``data`` ``[M_pad, D]`` in ``x``'s dtype, ``scale_inv`` fp32
+        ``[M_pad, ceil(D/128)]`` (``None`` for non-FP8 ``x``); both contiguous, 0 on pad rows.
+        Differentiable in floating-point ``x`` (backward: :func:`unpermute_unpad` without probs).
+    """
+    _check_rows_input(x, x_scale)
+    check_tensor("src_rows", src_rows, dtypes=torch.int32, ndim=1)
+    check_contiguous("src_rows", src_rows)
+    check_positive_int("top_k", top_k)
+    check_same_device(x=x, x_scale=x_scale, src_rows=src_rows)
+    if validation_enabled():
+        validate_index_range("src_rows", src_rows, -1, x.shape[0] * top_k)
+    data, scale = torch.ops.fp8flow.permute_pad_rows(x, x_scale, src_rows, top_k)
+    return data, (scale if x_scale is not None else None)
+
+
+class PermutePadResult(NamedTuple):
+    """Output of :func:`permute_pad` (all on the input's device)."""
+
+    data: torch.Tensor
+    """``[M_pad, D]`` rows in padded expert-major order, ``x``'s dtype; pad rows 0."""
+    scale_inv: torch.Tensor | None
+    """fp32 ``[M_pad, ceil(D/128)]`` COMPACT scales of ``data`` (pad rows 0), or ``None`` for non-FP8 ``x``."""
+    probs: torch.Tensor | None
+    """fp32 ``[M_pad]`` router probs of each padded row (pad rows 0), or ``None``."""
+    src_rows: torch.Tensor
+    """int32 ``[M_pad]``: flattened ``t * k + j`` of each padded row, ``-1`` on pad rows."""
+    dst_rows: torch.Tensor
+    """int32 ``[T * k]``: padded row of (token t, slot j) at ``t * k + j``."""
+    group_end_offsets: torch.Tensor
+    """int32 ``[E]``: padded group ends, multiples of 128 (every group starts on a 128-row boundary)."""
+
+
+def _permute_pad(x, x_scale, expert_indices, probs, num_experts, route, permute_rows) -> PermutePadResult:
+    permuted_probs, src_rows, dst_rows, offsets = route(expert_indices, num_experts, probs)
+    data, scale = permute_rows(x, x_scale, src_rows, expert_indices.shape[1])
+    return PermutePadResult(
+        data,
+        scale if x_scale is not None else None,
+        permuted_probs if probs is not None else None,
+        src_rows,
+        dst_rows,
+        offsets,
+    )
+
+
+def permute_pad_reference(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    expert_indices: torch.Tensor,
+    probs: torch.Tensor | None,
+    num_experts: int,
+) -> PermutePadResult:
+    """Torch reference of :func:`permute_pad` (no checks; the torch gather instead of the kernel)."""
+    return _permute_pad(x, x_scale, expert_indices, probs, num_experts, route_pad_reference, permute_pad_rows_reference)
+
+
+def permute_pad(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    expert_indices: torch.Tensor,
+    probs: torch.Tensor | None,
+    num_experts: int,
+) -> PermutePadResult:
+    """Permute token rows into 128-aligned expert groups (route + one fused gather kernel, no sync).
+
+    Args:
+        x: ``[T, D]`` E4M3 or bf16/fp16/fp32 token rows, row-major.
+        x_scale: COMPACT fp32 ``scale_inv`` ``[T, ceil(D/128)]`` for E4M3 ``x``, else ``None``.
+        expert_indices: int32/int64 ``[T, k]`` router top-k expert ids in ``[0, num_experts)``
+            (a token may name one expert twice: two rows).
+        probs: optional ``[T, k]`` fp32/bf16 router probs, permuted alongside.
+        num_experts: E.
+
+    Returns:
+        :class:`PermutePadResult` ``(data, scale_inv, probs, src_rows, dst_rows, group_end_offsets)``
+        with ``M_pad = padded_rows_bound(T*k, E)`` rows; see its fields. Differentiable in
+        floating-point ``x`` and in ``probs``.
+    """
+    _check_rows_input(x, x_scale)
+    _check_expert_indices(expert_indices, num_experts)
+    if expert_indices.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_indices must have x's {x.shape[0]} rows, got shape {tuple(expert_indices.shape)}")
+    if probs is not None:
+        check_tensor("probs", probs, dtypes=_PROBS_DTYPES, ndim=2)
+        check_shape("probs", probs, tuple(expert_indices.shape))
+    check_same_device(x=x, x_scale=x_scale, expert_indices=expert_indices, probs=probs)
+    ops = torch.ops.fp8flow
+    return _permute_pad(x, x_scale, expert_indices, probs, num_experts, ops.route_pad, ops.permute_pad_rows)

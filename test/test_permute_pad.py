@@ -1,0 +1,325 @@
+"""permute_pad: routing metadata and the fused gather, bit-exact against a naive loop and the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows, make_routing
+
+from fp8flow_ao._format import BLOCK, FP8_DTYPE, dequantize_rows_reference, quantize_rows_reference
+from fp8flow_ao.kernels.permute_pad import (
+    PermutePadResult,
+    launch_permute_pad_rows,
+    launch_route_pad,
+    padded_rows_bound,
+    permute_pad,
+    permute_pad_reference,
+    permute_pad_rows,
+    permute_pad_rows_reference,
+    route_pad,
+    route_pad_reference,
+)
+from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
+
+
+def naive_route(ids: torch.Tensor, experts: int) -> tuple[list[int], list[int], list[int]]:
+    """The row maps by the definition, one row at a time: groups in expert order, rows in (t, j) order."""
+    flat = ids.reshape(-1).tolist()
+    src = [-1] * padded_rows_bound(len(flat), experts)
+    dst = [0] * len(flat)
+    ends, start = [], 0
+    for e in range(experts):
+        rows = [f for f, v in enumerate(flat) if v == e]
+        for i, f in enumerate(rows):
+            src[start + i], dst[f] = f, start + i
+        start += -(-len(rows) // BLOCK) * BLOCK
+        ends.append(start)
+    return src, dst, ends
+
+
+# (kind, T, k, E): top-k 1 and 8, T = 0, groups of several 128-row blocks, skewed and empty experts
+ROUTINGS = [
+    ("distinct", 37, 8, 12),
+    ("distinct", 50, 1, 4),
+    ("skewed", 300, 2, 9),
+    ("one_expert", 200, 2, 4),
+    ("twice", 23, 3, 5),
+    ("distinct", 0, 2, 4),
+    ("distinct", 5, 1, 1),
+]
+
+
+@pytest.mark.parametrize("routing", ROUTINGS, ids=lambda r: f"{r[0]}-T{r[1]}-k{r[2]}-E{r[3]}")
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_route_pad_matches_naive(routing, id_dtype):
+    kind, tokens, top_k, experts = routing
+    ids = make_routing(kind, tokens, top_k, experts, DEVICE).to(id_dtype)
+    src_rows, dst_rows, ends = route_pad(ids, experts)
+    src, dst, naive_ends = naive_route(ids.cpu(), experts)
+    assert src_rows.dtype == dst_rows.dtype == ends.dtype == torch.int32
+    assert src_rows.device == ids.device
+    assert src_rows.cpu().tolist() == src
+    assert dst_rows.cpu().tolist() == dst
+    assert ends.cpu().tolist() == naive_ends
+
+
+@pytest.mark.parametrize("routing", ROUTINGS, ids=lambda r: f"{r[0]}-T{r[1]}-k{r[2]}-E{r[3]}")
+@pytest.mark.parametrize("probs_dtype", [None, torch.bfloat16])
+def test_route_kernel_matches_reference(routing, probs_dtype):
+    kind, tokens, top_k, experts = routing
+    ids = make_routing(kind, tokens, top_k, experts, DEVICE).to(torch.int32)
+    probs = None if probs_dtype is None else torch.rand(tokens, top_k, device=DEVICE).to(probs_dtype)
+    got = launch_route_pad(ids, experts, probs)
+    want = route_pad_reference(ids.cpu(), experts, None if probs is None else probs.cpu())
+    for name, a, b in zip(("probs", "src_rows", "dst_rows", "group_end_offsets"), got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b), name
+
+
+def test_out_of_range_ids_are_clamped_without_validation():
+    """Without FP8FLOW_VALIDATE an id < 0 joins expert 0 and an id >= E the last expert: wrong routing,
+    but the maps stay a permutation, so no later kernel reads out of bounds."""
+    ids = make_routing("distinct", 40, 2, 5, DEVICE)
+    ids[3, 0], ids[7, 1], ids[9, 0] = -4, 5, 99
+    got, want = launch_route_pad(ids, 5), route_pad_reference(ids.cpu(), 5)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
+    src_rows, dst_rows, ends = (t.long() for t in want[1:])
+    assert torch.equal(src_rows[dst_rows], torch.arange(80))
+    expert_of_row = torch.searchsorted(ends, dst_rows, right=True)
+    assert torch.equal(expert_of_row, ids.reshape(-1).cpu().clamp(0, 4))
+
+
+@pytest.mark.parametrize("routing", ROUTINGS[:5], ids=lambda r: r[0])
+def test_group_offsets_are_128_aligned(routing):
+    kind, tokens, top_k, experts = routing
+    ids = make_routing(kind, tokens, top_k, experts, DEVICE)
+    src_rows, dst_rows, ends = (t.cpu().long() for t in route_pad(ids, experts))
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), ends[:-1]])
+    counts = torch.bincount(ids.reshape(-1).cpu(), minlength=experts)
+    assert bool((ends % BLOCK == 0).all()) and bool((starts % BLOCK == 0).all())
+    assert torch.equal(ends - starts, (counts + BLOCK - 1) // BLOCK * BLOCK)  # each group rounded up, empty -> 0
+    assert int(ends[-1]) <= src_rows.numel() == padded_rows_bound(tokens * top_k, experts)
+    assert torch.equal(src_rows[dst_rows], torch.arange(tokens * top_k))  # maps are inverse
+    assert int((src_rows >= 0).sum()) == tokens * top_k
+    expert_of_row = torch.searchsorted(ends, dst_rows, right=True)
+    assert torch.equal(expert_of_row, ids.reshape(-1).cpu())  # every row lands inside its expert's group
+
+
+def _random_rows(dtype: torch.dtype, tokens: int, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token rows in ``dtype`` with edge values (NaN, inf, zeros, subnormals); FP8 rows come with scales."""
+    x = torch.randn(tokens, cols) * torch.logspace(-3, 3, max(tokens, 1))[:tokens, None]
+    if tokens >= 8:
+        x[:8] = edge_case_rows(cols, "cpu", torch.float32)
+    if dtype == FP8_DTYPE:
+        data, scale = quantize_rows_reference(x, BLOCK)
+        return data.to(DEVICE), scale.to(DEVICE)
+    return x.to(DEVICE, dtype), None
+
+
+def _assert_rows_equal(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    if actual.dtype == FP8_DTYPE:
+        assert_fp8_equal(actual, expected, name)
+    else:
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+        assert torch.equal(
+            actual.cpu().view(torch.int16 if actual.element_size() == 2 else torch.int32),
+            expected.cpu().view(torch.int16 if expected.element_size() == 2 else torch.int32),
+        ), name
+
+
+@pytest.mark.parametrize("routing", ROUTINGS, ids=lambda r: f"{r[0]}-T{r[1]}-k{r[2]}")
+@pytest.mark.parametrize(
+    ("dtype", "cols"), [(FP8_DTYPE, 384), (FP8_DTYPE, 200), (torch.bfloat16, 200), (torch.float32, 64)]
+)
+def test_gather_kernel_matches_reference(routing, dtype, cols):
+    kind, tokens, top_k, experts = routing
+    x, x_scale = _random_rows(dtype, tokens, cols)
+    src_rows, _, _ = route_pad(make_routing(kind, tokens, top_k, experts, DEVICE), experts)
+    data, scale = launch_permute_pad_rows(x, x_scale, src_rows, top_k)
+    ref_data, ref_scale = permute_pad_rows_reference(
+        x.cpu(), None if x_scale is None else x_scale.cpu(), src_rows.cpu(), top_k
+    )
+    _assert_rows_equal(data, ref_data, "data")
+    assert_scales_equal(scale, ref_scale)
+    # and the reference is the definition: row r holds token src // k, pad rows hold +0 bits
+    src = src_rows.cpu().long()
+    real = src >= 0
+    assert not bool(ref_data[~real].view(torch.uint8).any())
+    _assert_rows_equal(ref_data[real], x.cpu()[src[real] // top_k], "reference rows")
+
+
+def test_gather_row_stride_is_free():
+    x, x_scale = _random_rows(FP8_DTYPE, 40, 512)
+    src_rows, _, _ = route_pad(make_routing("distinct", 40, 2, 3, DEVICE), 3)
+    view, scale_view = x[:, :256], x_scale[:, :2]  # row strides 512 and 4
+    data, scale = launch_permute_pad_rows(view, scale_view, src_rows, 2)
+    ref_data, ref_scale = permute_pad_rows_reference(
+        view.contiguous().cpu(), scale_view.contiguous().cpu(), src_rows.cpu(), 2
+    )
+    assert_fp8_equal(data, ref_data)
+    assert_scales_equal(scale, ref_scale)
+
+
+@pytest.mark.parametrize("routing", [ROUTINGS[0], ROUTINGS[2], ROUTINGS[5]], ids=lambda r: r[0])
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.bfloat16])
+def test_permute_pad_matches_reference(routing, dtype):
+    kind, tokens, top_k, experts = routing
+    x, x_scale = _random_rows(dtype, tokens, 256)
+    ids = make_routing(kind, tokens, top_k, experts, DEVICE)
+    probs = torch.rand(tokens, top_k, device=DEVICE, dtype=torch.bfloat16)
+    out = permute_pad(x, x_scale, ids, probs, experts)
+    ref = permute_pad_reference(x.cpu(), None if x_scale is None else x_scale.cpu(), ids.cpu(), probs.cpu(), experts)
+    assert isinstance(out, PermutePadResult)
+    _assert_rows_equal(out.data, ref.data, "data")
+    if dtype == FP8_DTYPE:
+        assert_scales_equal(out.scale_inv, ref.scale_inv)
+    else:
+        assert out.scale_inv is None
+    for name in ("probs", "src_rows", "dst_rows", "group_end_offsets"):
+        assert torch.equal(getattr(out, name).cpu(), getattr(ref, name)), name
+    # permuted probs by the definition: fp32, probs[t, j] on real rows, 0 on pad rows
+    src = out.src_rows.cpu().long()
+    real = src >= 0
+    assert out.probs.dtype == torch.float32
+    assert torch.equal(out.probs.cpu()[real], probs.cpu().reshape(-1).float()[src[real]])
+    assert not bool(out.probs.cpu()[~real].any())
+    assert out.data.shape[0] == padded_rows_bound(tokens * top_k, experts)
+
+
+def test_fp8_combine_backward_is_the_gather():
+    """The unweighted combine's gradient to y is a plain gather of grad_out; for an FP8 gradient with its
+    scales that is permute_pad_rows with the same src_rows (data and scales move unchanged)."""
+    tokens, top_k, experts, cols = 30, 4, 5, 256
+    ids = make_routing("distinct", tokens, top_k, experts, DEVICE)
+    src_rows, dst_rows, _ = route_pad(ids, experts)
+    grad = torch.randn(tokens, cols, dtype=torch.bfloat16, device=DEVICE)
+    y = torch.randn(src_rows.shape[0], cols, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    (grad_y,) = torch.autograd.grad(unpermute_unpad(y, dst_rows, top_k), y, grad)
+    gathered, _ = permute_pad_rows(grad, None, src_rows, top_k)
+    assert torch.equal(grad_y, gathered)
+    g8, s8 = quantize_rows_reference(grad.float().cpu(), BLOCK)
+    data, scale = permute_pad_rows(g8.to(DEVICE), s8.to(DEVICE), src_rows, top_k)
+    deq = dequantize_rows_reference(data.cpu(), scale.cpu(), BLOCK)
+    assert torch.equal(deq, permute_pad_rows(dequantize_rows_reference(g8, s8, BLOCK), None, src_rows.cpu(), top_k)[0])
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_backward_matches_fp64_autograd(top_k):
+    tokens, experts, cols = 33, 4, 128
+    ids = make_routing("twice" if top_k > 1 else "distinct", tokens, top_k, experts, DEVICE)
+    x = torch.randn(tokens, cols, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(tokens, top_k, device=DEVICE, requires_grad=True)
+    out = permute_pad(x, None, ids, probs, experts)
+    w = torch.randn(out.data.shape, device=DEVICE, dtype=torch.bfloat16)
+    wp = torch.randn(out.probs.shape, device=DEVICE)
+    gx, gp = torch.autograd.grad((out.data.float() * w).sum() + (out.probs * wp).sum(), (x, probs))
+    # fp64 reference autograd through plain indexing
+    x64, p64 = x.detach().double().requires_grad_(), probs.detach().double().requires_grad_()
+    src = out.src_rows.long()
+    real = src >= 0
+    rows = torch.where(real[:, None], x64[torch.where(real, src // top_k, 0)], 0.0)
+    prow = torch.where(real, p64.reshape(-1)[torch.where(real, src, 0)], 0.0)
+    rx, rp = torch.autograd.grad((rows * w.double()).sum() + (prow * wp.double()).sum(), (x64, p64))
+    assert gx.dtype == torch.bfloat16 and gp.dtype == torch.float32
+    torch.testing.assert_close(gx.double(), rx, rtol=2**-7, atol=1e-6)  # one bf16 rounding of a k-term fp32 sum
+    torch.testing.assert_close(gp.double(), rp, rtol=0, atol=0)
+
+
+def test_compile_fullgraph():
+    tokens, top_k, experts = 40, 4, 6
+    x, x_scale = _random_rows(FP8_DTYPE, tokens, 256)
+    ids = make_routing("skewed", tokens, top_k, experts, DEVICE)
+    probs = torch.rand(tokens, top_k, device=DEVICE)
+    eager = permute_pad(x, x_scale, ids, probs, experts)
+    compiled = torch.compile(permute_pad, fullgraph=True)(x, x_scale, ids, probs, experts)
+    assert_fp8_equal(compiled.data, eager.data)
+    assert_scales_equal(compiled.scale_inv, eager.scale_inv)
+    for name in ("probs", "src_rows", "dst_rows", "group_end_offsets"):
+        assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
+    routed = torch.compile(route_pad, fullgraph=True)(ids, experts)
+    assert all(torch.equal(a, b) for a, b in zip(routed, route_pad(ids, experts), strict=True))
+    # the BF16 gather and its backward (unpermute_unpad without probs) under compile
+    xb = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(eager.data.shape, device=DEVICE, dtype=torch.bfloat16)
+    grads = []
+    for fn in (permute_pad_rows, torch.compile(permute_pad_rows, fullgraph=True)):
+        data, scale = fn(xb, None, eager.src_rows, top_k)
+        assert scale is None
+        grads.append(torch.autograd.grad(data, xb, w)[0])
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_opcheck():
+    tokens, top_k, experts = 24, 2, 3
+    ids = make_routing("distinct", tokens, top_k, experts, DEVICE)
+    src_rows, _, _ = route_pad(ids, experts)
+    probs = torch.rand(tokens, top_k, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.fp8flow.route_pad.default, (ids, experts, probs))
+    torch.library.opcheck(torch.ops.fp8flow.route_pad.default, (ids, experts, None))
+    x8, s8 = (
+        t.to(DEVICE) for t in quantize_rows_reference(torch.randn(tokens, 256), BLOCK)
+    )  # finite: opcheck compares without equal_nan
+    x8_before = x8.clone()
+    # test_schema compares inputs with torch.allclose, which torch does not implement for float8:
+    # run the other checks, and check the no-mutation part of the schema here.
+    checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.fp8flow.permute_pad_rows.default, (x8, s8, src_rows, top_k), test_utils=checks)
+    assert_fp8_equal(x8, x8_before, "x8 after the op")
+    x = torch.randn(tokens, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(torch.ops.fp8flow.permute_pad_rows.default, (x, None, src_rows, top_k))
+
+
+def _bad_cases():
+    x8 = torch.zeros(4, 256, dtype=FP8_DTYPE)
+    s8 = torch.ones(4, 2)
+    ids = torch.zeros(4, 2, dtype=torch.int64)
+    xb = torch.zeros(4, 256, dtype=torch.bfloat16)
+    return [
+        ((torch.zeros(4, 256, dtype=torch.int8), None, ids, None, 3), TypeError, "x must have dtype"),
+        ((x8, None, ids, None, 3), ValueError, "x_scale is required"),
+        ((xb, s8, ids, None, 3), ValueError, "x_scale must be None"),
+        ((x8, torch.ones(4, 3), ids, None, 3), ValueError, "x_scale must have shape"),
+        ((x8, s8.double(), ids, None, 3), TypeError, "x_scale must have dtype"),
+        ((torch.zeros(256, 4, dtype=FP8_DTYPE).t(), s8, ids, None, 3), ValueError, "x must be row-major"),
+        ((x8, s8, ids.float(), None, 3), TypeError, "expert_indices must have dtype"),
+        ((x8, s8, ids[:3], None, 3), ValueError, "expert_indices must have x's 4 rows"),
+        ((x8, s8, ids[:, :0], None, 3), ValueError, "top_k"),
+        ((x8, s8, ids.view(-1), None, 3), ValueError, "expert_indices must have 2 dims"),
+        ((x8, s8, ids, torch.ones(4, 3), 3), ValueError, "probs must have shape"),
+        ((x8, s8, ids, torch.ones(4, 2, dtype=torch.float16), 3), TypeError, "probs must have dtype"),
+        ((x8, s8, ids, None, 0), ValueError, "num_experts must be a positive int"),
+    ]
+
+
+@pytest.mark.parametrize(("args", "error", "match"), _bad_cases())
+def test_bad_input(args, error, match):
+    with pytest.raises(error, match=match):
+        permute_pad(*args)
+
+
+def test_bad_gather_input():
+    x, src = torch.zeros(4, 128, dtype=torch.bfloat16), torch.full((128,), -1, dtype=torch.int32)
+    with pytest.raises(TypeError, match="src_rows must have dtype"):
+        permute_pad_rows(x, None, src.long(), 2)
+    with pytest.raises(ValueError, match="src_rows must be contiguous"):
+        permute_pad_rows(x, None, torch.full((256,), -1, dtype=torch.int32)[::2], 2)
+    with pytest.raises(ValueError, match="top_k must be a positive int"):
+        permute_pad_rows(x, None, src, 0)
+    with pytest.raises(ValueError, match="num_experts"):
+        route_pad(torch.zeros(4, 2, dtype=torch.int32), -1)
+
+
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_out_of_range_ids_raise_in_validation_mode(monkeypatch, bad):
+    ids = torch.zeros(4, 2, dtype=torch.int32, device=DEVICE)
+    ids[2, 1] = bad
+    x = torch.zeros(4, 128, dtype=torch.bfloat16, device=DEVICE)
+    monkeypatch.setenv("FP8FLOW_VALIDATE", "1")
+    with pytest.raises(ValueError, match=r"expert_indices values must lie in \[0, 3\)"):
+        route_pad(ids, 3)
+    with pytest.raises(ValueError, match="expert_indices values must lie in"):
+        permute_pad(x, None, ids, None, 3)
+    src = torch.full((128,), -1, dtype=torch.int32, device=DEVICE)
+    src[5] = 8  # T * k = 8 rows exist: 8 is one past the end
+    with pytest.raises(ValueError, match=r"src_rows values must lie in \[-1, 8\)"):
+        permute_pad_rows(x, None, src, 2)
