@@ -25,7 +25,7 @@ moe_mod = pytest.importorskip("torchtitan.models.moe.moe")
 class _Block(nn.Module):
     def __init__(self, **moe_kwargs):
         super().__init__()
-        self.attention = nn.Linear(moe_kwargs.get("dim", 256), moe_kwargs.get("dim", 256), bias=False)
+        self.attention = nn.Linear(moe_kwargs.get("dim", 256), moe_kwargs.get("dim", 256), bias=False, device=DEVICE)
         self.moe = make_moe(**moe_kwargs)
 
     def forward(self, x):

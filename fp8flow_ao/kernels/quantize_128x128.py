@@ -64,15 +64,19 @@ def _quantize_128x128_kernel(
     rows = (pid_n * TILE + tl.arange(0, TILE)).to(tl.int64)
     cols = (pid_k * TILE + tl.arange(0, TILE)).to(tl.int64)
     base = e * N * K
-    x = tl.load(w_ptr + base + rows[:, None] * K + cols[None, :]).to(tl.float32)
+    w = tl.load(w_ptr + base + rows[:, None] * K + cols[None, :])
+    x = w.to(tl.float32)
     amax = tl.max(tl.max(nan_free_abs(x), axis=1), axis=0)
     scale_inv, scale = pow2_scale_inv_and_scale(amax)
     q = (x * scale).to(tl.float8e4nv)
     tl.store(data_ptr + base + rows[:, None] * K + cols[None, :], q)
     tl.store(scale_inv_ptr + (e * tiles_n + pid_n) * tiles_k + pid_k, scale_inv)
     if WITH_TRANSPOSE:
-        # data_t[e, k, n] = data[e, n, k]: the same fp8 bytes, written K-major.
-        tl.store(data_t_ptr + base + cols[:, None] * N + rows[None, :], tl.trans(q))
+        # data_t[e, k, n] = data[e, n, k]: the cast is elementwise, so casting the transposed input
+        # tile gives the same bytes. The input is transposed, not q: triton 3.6 on sm_90 mis-lays a
+        # tl.trans of an fp8 tile cast from fp32 (rows come out broadcast; seen on an H200).
+        qt = (tl.trans(w).to(tl.float32) * scale).to(tl.float8e4nv)
+        tl.store(data_t_ptr + base + cols[:, None] * N + rows[None, :], qt)
         tl.store(scale_inv_t_ptr + (e * tiles_k + pid_k) * tiles_n + pid_n, scale_inv)
 
 
