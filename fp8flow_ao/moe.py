@@ -130,7 +130,9 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
         dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
         a_t, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
-        grad_w2 = grouped_gemm_fp8_wgrad(dyp_t, dyp_t_scale, a_t, a_t_scale, offs)
+        # Weight gradients leave the GEMM in the weights' dtype: the kernel accumulates in fp32 and rounds
+        # once (the same bits as rounding an fp32 result), without writing and re-reading an fp32 copy.
+        grad_w2 = grouped_gemm_fp8_wgrad(dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype)
 
         # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
         dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs)
@@ -138,13 +140,13 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, w13_t, w13_t_scale, offs, out_dtype=torch.bfloat16)
         # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8.
         xp_t, xp_t_scale = scaling_aware_transpose(xp, xp_scale, offs)
-        grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs)
+        grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype)
 
         # Back to tokens: dx[t] = sum over the token's k rows; grad probs[t, j] = its row's value.
         grad_x = unpermute_unpad(grad_xp, dst_rows, top_k).to(x_dtype)
         grad_probs = grad_probs_p.index_select(0, dst_rows).view(-1, top_k).to(probs_dtype)
         grad_w1, grad_w3 = grad_w13.chunk(2, dim=1)
-        return (grad_x, grad_probs, None, grad_w1.to(w1_dtype), grad_w2.to(w2_dtype), grad_w3.to(w3_dtype), None)
+        return (grad_x, grad_probs, None, grad_w1, grad_w2, grad_w3.to(w3_dtype), None)
 
 
 def fp8flow_routed_experts(
