@@ -15,10 +15,12 @@ The router probability multiplies inside SwiGLU, so the combine is an unweighted
 function as torchtitan's ``score_before_experts=False``.
 
 Saved for backward: ``x8`` + scales ``[T, D]`` (FP8, never BF16; re-permuted in backward, k times
-smaller than the permuted rows), the permuted probs, the routing maps and offsets, the FP8 weights
-(the exact transposes for dgrad), and either ``h`` (BF16 ``[M, 2H]``, which SwiGLU's backward needs
-exactly) + ``a8`` (FP8, FC2's wgrad operand), or, with ``recompute_experts=True``, no FC1 output
-at all (only FC1's forward-orientation FP8 weight): FC1 and swiglu_quant run again in backward on
+smaller than the permuted rows), the permuted probs, the routing maps and offsets, references to
+the weight parameters (no copy: the weights are re-quantized in backward into the exact FP8
+transposes the dgrads need, the same bits as forward's, since holding FP8 copies of every layer's
+weights from forward to backward would cost more memory than the activations), and either ``h``
+(BF16 ``[M, 2H]``, which SwiGLU's backward needs exactly) + ``a8`` (FP8, FC2's wgrad operand), or,
+with ``recompute_experts=True``, no FC1 output at all: FC1 and swiglu_quant run again in backward on
 the same FP8 operands, so the gradients are bit-identical to the stored path.
 
 :func:`convert_moe_layer` installs the path on a torchtitan ``MoE`` module in place (its class is
@@ -45,17 +47,17 @@ from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 _HP_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _quantize_w13(w1: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """FP8 ``W13 = cat([w1, w3], dim=1)`` ``[E, 2H, D]`` and its exact transpose ``[E, D, 2H]``.
+def _quantize_w13(w1: torch.Tensor, w3: torch.Tensor, with_data: bool, with_transpose: bool) -> list:
+    """FP8 ``W13 = cat([w1, w3], dim=1)`` ``[E, 2H, D]`` and/or its exact transpose ``[E, D, 2H]``.
 
-    w1 and w3 are quantized separately and their FP8 tiles concatenated: H is a multiple of 128, so
-    no 128x128 tile spans both and the result equals quantizing the BF16 concatenation, while the
-    copy moves 1-byte instead of 2/4-byte elements.
+    Returns ``[data, scale, data_t, scale_t]``, ``None`` where not asked for. w1 and w3 are quantized
+    separately and their FP8 tiles concatenated: H is a multiple of 128, so no 128x128 tile spans
+    both and the result equals quantizing the BF16 concatenation, while the copy moves 1-byte
+    instead of 2/4-byte elements.
     """
-    q1, q3 = quantize_128x128(w1.contiguous()), quantize_128x128(w3.contiguous())
-    data, scale = torch.cat([q1[0], q3[0]], dim=1), torch.cat([q1[1], q3[1]], dim=1)
-    data_t, scale_t = torch.cat([q1[2], q3[2]], dim=2), torch.cat([q1[3], q3[3]], dim=2)
-    return data, scale, data_t, scale_t
+    q1, q3 = (quantize_128x128(w.contiguous(), with_transpose, with_data) for w in (w1, w3))
+    dims = (1, 1, 2, 2)  # data/scale concatenate along N, their transposes along the last dim
+    return [None if a is None else torch.cat([a, b], dim=d) for a, b, d in zip(q1, q3, dims, strict=True)]
 
 
 def _fc1_swiglu(
@@ -82,26 +84,19 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         x_data, x_scale = quantize_1x128(x)
         routed = permute_pad(x_data, x_scale, expert_indices, probs.detach(), num_experts)
         offs = routed.group_end_offsets
-        # Weights: 128x128 tiles once per step, with the exact transposes for the dgrads.
-        w13_data, w13_scale, w13_t_data, w13_t_scale = _quantize_w13(w1, w3)
-        w2_data, w2_scale, w2_t_data, w2_t_scale = quantize_128x128(w2.contiguous())
+        # Weights: 128x128 tiles, forward orientation only. The dgrads' exact transposes are made in
+        # backward from the same weights (same bits): keeping FP8 copies of every layer's weights alive
+        # from forward to backward would cost more memory than the activations saved.
+        w13_data, w13_scale, _, _ = _quantize_w13(w1, w3, with_data=True, with_transpose=False)
+        w2_data, w2_scale, _, _ = quantize_128x128(w2.contiguous(), with_transpose=False)
         h, a_data, a_scale = _fc1_swiglu(routed.data, routed.scale_inv, w13_data, w13_scale, routed.probs, offs)
         y = grouped_gemm_fp8_blockwise(a_data, a_scale, w2_data, w2_scale, offs, out_dtype=torch.bfloat16)
         out = unpermute_unpad(y, routed.dst_rows, top_k)
 
-        fc1_saved = (w13_data, w13_scale) if recompute else (h, a_data, a_scale)
+        fc1_saved = () if recompute else (h, a_data, a_scale)
+        # w1, w2, w3 are the parameters themselves (alive anyway): saving them costs no memory.
         ctx.save_for_backward(
-            x_data,
-            x_scale,
-            routed.probs,
-            routed.src_rows,
-            routed.dst_rows,
-            offs,
-            w13_t_data,
-            w13_t_scale,
-            w2_t_data,
-            w2_t_scale,
-            *fc1_saved,
+            x_data, x_scale, routed.probs, routed.src_rows, routed.dst_rows, offs, w1, w2, w3, *fc1_saved
         )
         ctx.recompute, ctx.top_k = recompute, top_k
         ctx.dtypes = (x.dtype, probs.dtype, w1.dtype, w2.dtype, w3.dtype)
@@ -109,15 +104,16 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x_data, x_scale, probs_p, src_rows, dst_rows, offs, w13_t, w13_t_scale, w2_t, w2_t_scale, *fc1_saved) = (
-            ctx.saved_tensors
-        )
+        x_data, x_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, *fc1_saved = ctx.saved_tensors
         top_k = ctx.top_k
         x_dtype, probs_dtype, w1_dtype, w2_dtype, w3_dtype = ctx.dtypes
         # The token rows again, in the forward's padded expert-major order (a gather, no cast).
         xp, xp_scale = permute_pad_rows(x_data, x_scale, src_rows, top_k)
+        # The weights again: exact transposes for the dgrads (and W13 itself when recomputing FC1).
+        w13, w13_scale, w13_t, w13_t_scale = _quantize_w13(w1, w3, with_data=ctx.recompute, with_transpose=True)
+        _, _, w2_t, w2_t_scale = quantize_128x128(w2.contiguous(), with_data=False)
         if ctx.recompute:
-            h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, *fc1_saved, probs_p, offs)
+            h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, w13, w13_scale, probs_p, offs)
         else:
             h, a_data, a_scale = fc1_saved
 

@@ -44,7 +44,7 @@ def test_triton_matches_reference(shape, dtype, with_transpose):
 @pytest.mark.parametrize("config", quantize_128x128_configs(), ids=lambda c: f"warps{c.num_warps}-maxnreg{c.maxnreg}")
 def test_every_launch_config_matches_reference(config):
     w = _weights((2, 256, 384), torch.bfloat16)
-    _assert_outputs_equal(launch_quantize_128x128(w, True, config), quantize_128x128_reference(w.cpu()))
+    _assert_outputs_equal(launch_quantize_128x128(w, True, config=config), quantize_128x128_reference(w.cpu()))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -100,7 +100,7 @@ def test_op_dispatch_and_compile(with_transpose, shape):
 @pytest.mark.parametrize("with_transpose", [True, False])
 def test_opcheck(with_transpose):
     w = _weights((2, 128, 256), torch.bfloat16)
-    torch.library.opcheck(torch.ops.fp8flow.quantize_128x128.default, (w, with_transpose))
+    torch.library.opcheck(torch.ops.fp8flow.quantize_128x128.default, (w, with_transpose, True))
 
 
 @pytest.mark.parametrize(
@@ -120,3 +120,24 @@ def test_opcheck(with_transpose):
 def test_bad_input(w, with_transpose, error, match):
     with pytest.raises(error, match=match):
         quantize_128x128(w, with_transpose)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_transpose_only_is_the_transposed_half(dtype):
+    """with_data=False (the MoE backward's re-quantization) writes only data_t, bit for bit the same."""
+    w = _weights((2, 256, 384), dtype)
+    full = launch_quantize_128x128(w)
+    only_t = launch_quantize_128x128(w, with_data=False)
+    assert only_t[0].numel() == 0 and only_t[1].numel() == 0
+    assert_fp8_equal(only_t[2], full[2], "data_t")
+    assert_scales_equal(only_t[3], full[3], "scale_inv_t")
+    public = quantize_128x128(w, with_data=False)
+    assert public[0] is None and public[1] is None
+    assert_fp8_equal(public[2], full[2], "data_t")
+    ref = quantize_128x128_reference(w.cpu(), with_data=False)
+    assert ref[0].numel() == 0 and torch.equal(ref[2].view(torch.uint8), full[2].cpu().view(torch.uint8))
+
+
+def test_nothing_requested_is_an_error():
+    with pytest.raises(ValueError, match="nothing to compute"):
+        quantize_128x128(torch.zeros(128, 128), with_transpose=False, with_data=False)

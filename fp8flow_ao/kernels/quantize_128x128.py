@@ -50,6 +50,7 @@ def _quantize_128x128_kernel(
     scale_inv_t_ptr,
     N,
     K,
+    WITH_DATA: tl.constexpr,
     WITH_TRANSPOSE: tl.constexpr,
     TILE: tl.constexpr,
 ):
@@ -68,9 +69,10 @@ def _quantize_128x128_kernel(
     x = w.to(tl.float32)
     amax = tl.max(tl.max(nan_free_abs(x), axis=1), axis=0)
     scale_inv, scale = pow2_scale_inv_and_scale(amax)
-    q = (x * scale).to(tl.float8e4nv)
-    tl.store(data_ptr + base + rows[:, None] * K + cols[None, :], q)
-    tl.store(scale_inv_ptr + (e * tiles_n + pid_n) * tiles_k + pid_k, scale_inv)
+    if WITH_DATA:
+        q = (x * scale).to(tl.float8e4nv)
+        tl.store(data_ptr + base + rows[:, None] * K + cols[None, :], q)
+        tl.store(scale_inv_ptr + (e * tiles_n + pid_n) * tiles_k + pid_k, scale_inv)
     if WITH_TRANSPOSE:
         # data_t[e, k, n] = data[e, n, k]: the cast is elementwise, so casting the transposed input
         # tile gives the same bytes. The input is transposed, not q: triton 3.6 on sm_90 mis-lays a
@@ -87,12 +89,12 @@ def _output_shapes(shape: torch.Size) -> tuple[tuple[int, ...], ...]:
     return (*lead, n, k), (*lead, nb, kb), (*lead, k, n), (*lead, kb, nb)
 
 
-def _allocate(w: torch.Tensor, with_transpose: bool) -> tuple[torch.Tensor, ...]:
-    """Outputs for ``w``; without the transpose, ``data_t``/``scale_inv_t`` are empty ``(0,)`` tensors
-    (a custom op cannot return ``None``)."""
+def _allocate(w: torch.Tensor, with_transpose: bool, with_data: bool) -> tuple[torch.Tensor, ...]:
+    """Outputs for ``w``; an orientation not asked for is a pair of empty ``(0,)`` tensors (a custom op
+    cannot return ``None``)."""
     shapes = _output_shapes(w.shape)
-    if not with_transpose:
-        shapes = (shapes[0], shapes[1], (0,), (0,))
+    wanted = (with_data, with_data, with_transpose, with_transpose)
+    shapes = tuple(shape if want else (0,) for shape, want in zip(shapes, wanted, strict=True))
     dtypes = (FP8_DTYPE, torch.float32, FP8_DTYPE, torch.float32)
     return tuple(w.new_empty(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True))
 
@@ -102,7 +104,7 @@ _tuned_kernel = triton.autotune(configs=quantize_128x128_configs(), key=["N", "K
 
 
 def launch_quantize_128x128(
-    w: torch.Tensor, with_transpose: bool = True, config: triton.Config | None = None
+    w: torch.Tensor, with_transpose: bool = True, with_data: bool = True, config: triton.Config | None = None
 ) -> tuple[torch.Tensor, ...]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`quantize_128x128`.
 
@@ -110,30 +112,32 @@ def launch_quantize_128x128(
     elsewhere (the interpreter cannot time kernels); tests pass each config to prove they agree.
     """
     n, k = w.shape[-2:]
-    data, scale_inv, data_t, scale_inv_t = _allocate(w, with_transpose)
+    data, scale_inv, data_t, scale_inv_t = _allocate(w, with_transpose, with_data)
     num_tiles = w.numel() // (BLOCK * BLOCK)
     if num_tiles == 0:
         return data, scale_inv, data_t, scale_inv_t
+    # An output not asked for is never touched: any pointer of the right dtype stands in for it.
     args = (
         w,
-        data,
-        scale_inv,
-        data_t if with_transpose else data,  # never touched without the transpose
+        data if with_data else data_t,
+        scale_inv if with_data else scale_inv_t,
+        data_t if with_transpose else data,
         scale_inv_t if with_transpose else scale_inv,
         n,
         k,
     )
+    flags = {"WITH_DATA": with_data, "WITH_TRANSPOSE": with_transpose, "TILE": BLOCK}
     if config is None and w.is_cuda:
-        _tuned_kernel[(num_tiles,)](*args, WITH_TRANSPOSE=with_transpose, TILE=BLOCK)
+        _tuned_kernel[(num_tiles,)](*args, **flags)
     else:
         c = config or quantize_128x128_configs()[0]
-        _quantize_128x128_kernel[(num_tiles,)](
-            *args, WITH_TRANSPOSE=with_transpose, TILE=BLOCK, num_warps=c.num_warps, maxnreg=c.maxnreg
-        )
+        _quantize_128x128_kernel[(num_tiles,)](*args, **flags, num_warps=c.num_warps, maxnreg=c.maxnreg)
     return data, scale_inv, data_t, scale_inv_t
 
 
-def quantize_128x128_reference(w: torch.Tensor, with_transpose: bool = True) -> tuple[torch.Tensor, ...]:
+def quantize_128x128_reference(
+    w: torch.Tensor, with_transpose: bool = True, with_data: bool = True
+) -> tuple[torch.Tensor, ...]:
     """Torch reference (the oracle and the CPU path): each 128 x 128 tile is flattened into one
     16384-wide row block and quantized by :func:`quantize_rows_reference`."""
     *lead, n, k = w.shape
@@ -142,44 +146,49 @@ def quantize_128x128_reference(w: torch.Tensor, with_transpose: bool = True) -> 
     tile_data, tile_scale = quantize_rows_reference(tiles, BLOCK * BLOCK)
     data = tile_data.reshape(*lead, nb, kb, BLOCK, BLOCK).transpose(-3, -2).reshape(*lead, n, k)
     scale_inv = tile_scale.reshape(*lead, nb, kb)
-    if not with_transpose:
-        return data, scale_inv, data.new_empty((0,)), scale_inv.new_empty((0,))
     # clone, not contiguous(): a transposed 1-tile-wide view is already contiguous and would alias.
     data_t, scale_inv_t = (t.transpose(-1, -2).clone(memory_format=torch.contiguous_format) for t in (data, scale_inv))
-    return data, scale_inv, data_t, scale_inv_t
+    empty = (data.new_empty((0,)), scale_inv.new_empty((0,)))
+    return (*((data, scale_inv) if with_data else empty), *((data_t, scale_inv_t) if with_transpose else empty))
 
 
 @torch.library.custom_op("fp8flow::quantize_128x128", mutates_args=())
 def _quantize_128x128_op(
-    w: torch.Tensor, with_transpose: bool
+    w: torch.Tensor, with_transpose: bool, with_data: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_128x128_reference(w, with_transpose)
+    return quantize_128x128_reference(w, with_transpose, with_data)
 
 
 _quantize_128x128_op.register_kernel("cuda")(launch_quantize_128x128)
 
 
 @_quantize_128x128_op.register_fake
-def _(w: torch.Tensor, with_transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _allocate(w, with_transpose)
+def _(
+    w: torch.Tensor, with_transpose: bool, with_data: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _allocate(w, with_transpose, with_data)
 
 
 def quantize_128x128(
-    w: torch.Tensor, with_transpose: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    w: torch.Tensor, with_transpose: bool = True, with_data: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Quantize weights to E4M3 with one power-of-two scale per 128 x 128 tile.
 
     Args:
         w: ``[E, N, K]`` (one matrix per expert) or ``[N, K]``, bf16, fp16 or fp32, contiguous
             (row-major). ``N`` and ``K`` must be multiples of 128.
         with_transpose: also return the transposed copy for the dgrad GEMM (written by the same pass).
+        with_data: return the forward orientation; ``False`` with ``with_transpose=True`` gives only the
+            transposed copy (the MoE backward re-quantizes weights this way instead of keeping FP8
+            copies of every layer's weights alive from forward to backward).
 
     Returns:
         ``(data, scale_inv, data_t, scale_inv_t)``, all contiguous (no ``E`` dim for a 2-D ``w``):
 
-        * ``data`` E4M3 ``[E, N, K]``, row-major (K contiguous).
+        * ``data`` E4M3 ``[E, N, K]``, row-major (K contiguous); ``None`` unless ``with_data``.
         * ``scale_inv`` fp32 ``[E, N/128, K/128]``: the dequantize multiplier of each tile
-          (``w ~= data * scale_inv``), a power of two; ``+inf`` for a tile holding ``+-inf``.
+          (``w ~= data * scale_inv``), a power of two; ``+inf`` for a tile holding ``+-inf``;
+          ``None`` unless ``with_data``.
         * ``data_t`` E4M3 ``[E, K, N]`` (N contiguous): bit for bit ``data[e].T``; ``None`` unless
           ``with_transpose``.
         * ``scale_inv_t`` fp32 ``[E, K/128, N/128]``: ``scale_inv[e].T``; ``None`` unless ``with_transpose``.
@@ -188,9 +197,11 @@ def quantize_128x128(
     check_contiguous("w", w)
     check_multiple("w", w.shape[-2], what="dim N (-2)")
     check_multiple("w", w.shape[-1], what="dim K (-1)")
-    if not isinstance(with_transpose, bool):
-        raise TypeError(f"with_transpose must be a bool, got {type(with_transpose).__name__}")
-    data, scale_inv, data_t, scale_inv_t = torch.ops.fp8flow.quantize_128x128(w, with_transpose)
-    if not with_transpose:
-        return data, scale_inv, None, None
-    return data, scale_inv, data_t, scale_inv_t
+    for name, flag in (("with_transpose", with_transpose), ("with_data", with_data)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if not (with_data or with_transpose):
+        raise ValueError("with_data and with_transpose are both False: nothing to compute")
+    data, scale_inv, data_t, scale_inv_t = torch.ops.fp8flow.quantize_128x128(w, with_transpose, with_data)
+    forward = (data, scale_inv) if with_data else (None, None)
+    return (*forward, *((data_t, scale_inv_t) if with_transpose else (None, None)))
