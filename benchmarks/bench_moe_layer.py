@@ -1,0 +1,478 @@
+"""One MoE expert block, forward + backward, side by side under torch.compile (issue 4's benchmark).
+
+Cases (PERF.md): DeepSeek-V3-like T=4096 tokens, D=7168, H=2048, E=32, top-8 and Qwen3-30B-A3B-like
+T=8192, D=2048, H=768, E=128, top-8; each with forced balanced routing (round robin, as torchtitan's
+``moe_force_load_balance``) and skewed routing (Zipf-like expert loads, some experts empty). The
+layer is torchtitan 0.2.2's ``MoE`` with routed experts only (no shared expert), bf16 parameters,
+``score_before_experts=False``; the router's gate still runs, only its top-k choice is replaced.
+
+Variants, each ``torch.compile``-d (default mode, graph breaks allowed so every baseline runs):
+* ``bf16``: the unconverted torchtitan layer (``torch._grouped_mm``);
+* ``torchao_rowwise``: ``quantize_(layer, torchao Float8TrainingOpConfig())`` on the experts:
+  torchao 0.18's FP8 row-wise ``_scaled_grouped_mm`` MoE training path (what torchtitan's
+  ``quantize.grouped_mm.float8`` converter applies; torchtitan 0.2.2 still imports it under its old
+  name ``MoETrainingConfig``, which torchao 0.18 no longer has);
+* ``torchao_blockwise``: the experts' three grouped GEMMs through torchao 0.18's
+  ``_to_fp8_blockwise_then_scaled_grouped_mm`` (1x128 activations, 128x128 weights; DeepGEMM
+  kernels when the optional ``deep_gemm`` package is installed, else torchao's emulated Triton
+  path: the ``notes`` say which). torchao 0.18 has no config/converter for it, so its experts'
+  forward is swapped here;
+* ``fp8flow`` / ``fp8flow_recompute``: ``quantize_(layer, FP8FlowConfig(recompute_experts=...))``.
+
+Reported per case: median ms of forward + backward (input and output gradients, weight
+gradients); speed-up of FP8-Flow over each baseline; TFLOP/s at 18*T*k*D*H model FLOPs; the
+activation memory held for backward (``memory_allocated`` after the forward minus before, less the
+output itself; weights allocated before are not counted, FP8 weight copies made in the forward are,
+and their estimated size is reported beside it: at the DeepSeek-like shape they are about 1.4 GB)
+and its ratio to BF16's, with and without those copies; peak memory of forward + backward above
+the resident state. A second table (``moe_layer_stages``) splits FP8-Flow's device time by op from a torch.profiler trace: GEMMs
+are named by their shapes (FC1/FC2, forward/dgrad/wgrad), everything that is not an ``fp8flow::``
+op (router, top-k, gathers, inductor-fused elementwise) is "other".
+
+Targets (issue 4): >= 1.6x BF16 (DeepSeek-like), >= 1.4x BF16 (Qwen-like), >= 1.3x torchao
+row-wise; activation memory <= 50% of BF16's, <= 20% with recompute. Rows carry ``target`` and
+``meets_target``.
+
+Meant to run in under 5 minutes on an H100 (most of it compiling). Variants run one after the
+other over both cases (BF16 and FP8-Flow first), and ``--budget-s`` skips those that would start
+later; ``--cases`` / ``--variants`` select (a subset of cases writes
+``moe_layer_<cases>.json``, so cases run one at a time keep their files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import re
+import sys
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from _bench import bench_us, n_rotations, row, skewed_counts, write_results
+from torch import nn
+
+from fp8flow_ao.shapes import DEEPSEEK_V3, QWEN3_30B_A3B, MoEShape
+
+CASES = {"deepseek": (DEEPSEEK_V3, 4096), "qwen": (QWEN3_30B_A3B, 8192)}
+ROUTINGS = ("balanced", "skewed")
+VARIANTS = ("bf16", "fp8flow", "fp8flow_recompute", "torchao_rowwise", "torchao_blockwise")
+OURS = ("fp8flow", "fp8flow_recompute")
+BASELINES = {
+    "bf16": "BF16 torchtitan MoE (torch.compile)",
+    "torchao_rowwise": "torchao 0.18 FP8 row-wise MoE (torch.compile)",
+    "torchao_blockwise": "torchao 0.18 FP8 blockwise grouped GEMM (torch.compile)",
+}
+SPEEDUP_TARGETS = {
+    ("deepseek", "bf16"): 1.6,
+    ("qwen", "bf16"): 1.4,
+    ("deepseek", "torchao_rowwise"): 1.3,
+    ("qwen", "torchao_rowwise"): 1.3,
+}
+MEMORY_TARGETS = {"fp8flow": 0.5, "fp8flow_recompute": 0.2}  # activation memory / BF16's
+PROFILE_ITERS = 5
+
+
+class Block(nn.Module):
+    """Holds the MoE layer as a child, so ``quantize_`` can swap or rewire it like any submodule."""
+
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
+
+
+class FixedRouting:
+    """Stands in for the router's top-k choice (``_debug_force_load_balance_routing``) with set expert ids.
+
+    The gate and its softmax still run; the ids live in one device tensor that :meth:`set` overwrites
+    in place, so a compiled layer sees new routing without recompiling.
+    """
+
+    def __init__(self, tokens: int, top_k: int):
+        self.indices = torch.zeros(tokens, top_k, dtype=torch.int64, device="cuda")
+
+    def set(self, indices: torch.Tensor) -> None:
+        self.indices.copy_(indices)
+
+    def __call__(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.indices, scores.gather(dim=1, index=self.indices)
+
+
+def routing(kind: str, tokens: int, top_k: int, experts: int) -> torch.Tensor:
+    """Expert ids [tokens, top_k]: round robin (balanced) or Zipf-like loads in random order (skewed).
+
+    Skewed loads exceed ``tokens`` on the biggest experts, so a token may pick one expert twice;
+    the expert path does not care, and the loads are what the benchmark is about.
+    """
+    if kind == "balanced":
+        return (torch.arange(tokens * top_k) % experts).view(tokens, top_k)
+    counts = torch.tensor(skewed_counts(tokens * top_k, experts))
+    ids = torch.repeat_interleave(torch.arange(experts), counts)
+    return ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(0))].view(tokens, top_k)
+
+
+def build_bf16(shape: MoEShape) -> Block:
+    """torchtitan's MoE at ``shape``: routed experts only, grouped GEMMs, bf16 parameters, seeded init."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.moe.moe import MoE
+
+    args = MoEArgs(
+        num_experts=shape.experts, num_shared_experts=0, top_k=shape.top_k, score_func="softmax",
+        route_norm=True, score_before_experts=False, load_balance_coeff=None, use_grouped_mm=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        moe = MoE(args, dim=shape.dim, hidden_dim=shape.hidden)
+    with torch.no_grad():
+        moe.init_weights(init_std=0.02, buffer_device=torch.device("cuda"))
+    return Block(moe).to(torch.bfloat16)
+
+
+def _blockwise_experts(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, num_tokens_per_expert: torch.Tensor
+) -> torch.Tensor:
+    """torchtitan's ``_run_experts_grouped_mm`` with each grouped GEMM in torchao's FP8 blockwise recipe."""
+    import torch.nn.functional as F
+    from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import _to_fp8_blockwise_then_scaled_grouped_mm as mm
+
+    offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+    x = x.bfloat16()
+    h = F.silu(mm(x, w1.bfloat16().transpose(-2, -1), offs)) * mm(x, w3.bfloat16().transpose(-2, -1), offs)
+    return mm(h, w2.bfloat16().transpose(-2, -1), offs).type_as(x)
+
+
+def _blockwise_forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    from torchtitan.models.moe.utils import indices_padding_wrapper
+
+    return indices_padding_wrapper(_blockwise_experts)(self.w1, self.w2, self.w3, x, num_tokens_per_expert)
+
+
+def convert(block: Block, variant: str) -> Block:
+    """A deep copy of ``block`` (same weights) converted to ``variant``."""
+    from torchao.quantization import quantize_
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    block = copy.deepcopy(block)
+    if variant == "torchao_rowwise":
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+
+        quantize_(block, Float8TrainingOpConfig(), filter_fn=lambda m, fqn: isinstance(m, GroupedExperts))
+    elif variant == "torchao_blockwise":
+        experts = block.moe.experts
+        experts.forward = _blockwise_forward.__get__(experts)
+    elif variant in OURS:
+        from fp8flow_ao.config import FP8FlowConfig
+
+        quantize_(block, FP8FlowConfig(recompute_experts=variant == "fp8flow_recompute"))
+    return block
+
+
+def install_routing(block: Block, fixed: FixedRouting) -> None:
+    """Make every torchtitan router in ``block`` (after any conversion) take its top-k from ``fixed``."""
+    from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+
+    routers = [m for m in block.modules() if isinstance(m, TokenChoiceTopKRouter)]
+    if not routers:
+        raise RuntimeError("no torchtitan TokenChoiceTopKRouter left in the converted layer")
+    for router in routers:
+        router._debug_force_load_balance = True
+        router._debug_force_load_balance_routing = fixed
+
+
+def make_step(block: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One forward + backward from fresh gradients (parameter and input gradients)."""
+    params = [p for p in block.parameters() if p.requires_grad]
+
+    def step(x: torch.Tensor, dy: torch.Tensor) -> None:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        block(x).backward(dy)
+
+    return step
+
+
+def make_inputs(tokens: int, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rotating (x, dy) sets, x a leaf that requires grad, [1, T, D] as torchtitan's MoE takes it."""
+    per_set = 2 * tokens * dim * 2
+    return [
+        (
+            torch.randn(1, tokens, dim, device="cuda", dtype=torch.bfloat16).requires_grad_(),
+            torch.randn(1, tokens, dim, device="cuda", dtype=torch.bfloat16),
+        )
+        for _ in range(n_rotations(per_set))
+    ]
+
+
+@dataclass
+class Measured:
+    us: float
+    act_mib: float  # held for backward: allocated after forward - before - the output
+    peak_mib: float  # forward + backward peak above the state before the forward
+
+
+def measure(block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> Measured:
+    step = make_step(block)
+    us = bench_us(step, inputs)
+    x, dy = inputs[0]
+    step(x, dy)
+    for p in block.parameters():
+        p.grad = None
+    x.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = block(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+    out.backward(dy)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return Measured(us, held / 2**20, peak / 2**20)
+
+
+def _gemm_label(name: str, shapes: list, shape: MoEShape) -> str:
+    """Name an FP8 grouped GEMM by its operand shapes: FC1/FC2, forward/dgrad (N, K of b) or wgrad (N, K of the output)."""
+    d, h = shape.dim, shape.hidden
+    try:
+        if name.endswith("grouped_gemm_fp8_blockwise"):
+            n, k = shapes[2][-2], shapes[2][-1]  # b [E, N, K]
+            labels = {(2 * h, d): "FC1 fwd", (d, h): "FC2 fwd", (h, d): "FC2 dgrad", (d, 2 * h): "FC1 dgrad"}
+            return f"GEMM {labels.get((n, k), f'N={n} K={k}')}"
+        n, k = shapes[0][0], shapes[2][0]  # a_t [N, M], b_t [K, M] -> dW [E, N, K]
+        labels = {(d, h): "FC2 wgrad", (2 * h, d): "FC1 wgrad"}
+        return f"GEMM {labels.get((n, k), f'wgrad N={n} K={k}')}"
+    except (IndexError, TypeError):
+        return name.removeprefix("fp8flow::")
+
+
+def stage_breakdown(
+    block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], shape: MoEShape
+) -> dict[str, float]:
+    """Device microseconds per forward + backward by ``fp8flow::`` op (outermost calls only), plus "other".
+
+    Kernels are charged to the op that launched them (the profiler's correlation). Should the trace
+    link no kernel to an op, Triton kernels are named by their function instead (``_<op>_kernel``).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step = make_step(block)
+    x, dy = inputs[0]
+    for _ in range(3):
+        step(x, dy)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(PROFILE_ITERS):
+            step(x, dy)
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    total = sum(k.device_time_total for k in kernels)  # each device event once (CPU ops repeat them)
+    stages: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name.startswith("fp8flow::") and not _has_fp8flow_ancestor(e):
+            label = e.name.removeprefix("fp8flow::")
+            stages[_gemm_label(e.name, e.input_shapes, shape) if "grouped_gemm" in e.name else label] += (
+                e.device_time_total
+            )
+    if not any(stages.values()):
+        stages.clear()
+        for k in kernels:
+            if match := re.fullmatch(r"_(\w+)_kernel", k.name):
+                stages[match.group(1)] += k.device_time_total
+    stages["other (router, top-k, gathers, inductor kernels)"] = total - sum(stages.values())
+    return {k: v / PROFILE_ITERS for k, v in sorted(stages.items(), key=lambda kv: -kv[1])}
+
+
+def _has_fp8flow_ancestor(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("fp8flow::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def blockwise_backend() -> str:
+    """Which grouped GEMM torchao's blockwise path uses here: DeepGEMM or its emulated Triton kernels."""
+    from torchao.prototype.blockwise_fp8_training.deepgemm_grouped_kernels import can_use_deepgemm_grouped_training
+
+    probe = torch.empty(128, 128, device="cuda", dtype=torch.bfloat16)
+    return (
+        "DeepGEMM"
+        if can_use_deepgemm_grouped_training(probe, torch.bfloat16, 128)
+        else "emulated (no DeepGEMM installed)"
+    )
+
+
+@dataclass
+class Case:
+    """One shape with its BF16 layer, rotating inputs and the routing all its variants share."""
+
+    name: str
+    shape: MoEShape
+    tokens: int
+    base: Block
+    inputs: list[tuple[torch.Tensor, torch.Tensor]]
+    fixed: FixedRouting
+    results: dict[tuple[str, str], Measured]  # (routing, variant) -> measured
+
+
+def prepare(name: str) -> Case:
+    shape, tokens = CASES[name]
+    inputs = make_inputs(tokens, shape.dim)
+    return Case(name, shape, tokens, build_bf16(shape), inputs, FixedRouting(tokens, shape.top_k), {})
+
+
+def run_variant(case: Case, variant: str) -> list[dict]:
+    """Compile ``variant`` of ``case`` once, measure it under every routing; FP8-Flow's stage rows."""
+    block = convert(case.base, variant)
+    install_routing(block, case.fixed)
+    compiled = torch.compile(block)
+    stage_rows = []
+    for kind in ROUTINGS:
+        case.fixed.set(routing(kind, case.tokens, case.shape.top_k, case.shape.experts))
+        case.results[kind, variant] = measure(compiled, case.inputs)
+        if variant in OURS and kind == "balanced":
+            stages = stage_breakdown(compiled, case.inputs, case.shape)
+            total = sum(stages.values())
+            stage_rows += [
+                row(
+                    f"{case.shape.name} T={case.tokens} {kind} {variant}",
+                    us,
+                    "share of device time",
+                    None,
+                    stage=name,
+                    share_pct=round(100 * us / total, 1) if total else None,
+                )
+                for name, us in stages.items()
+            ]
+    return stage_rows
+
+
+def run_all(cases: list[Case], variants: tuple[str, ...], deadline: float, notes: list[str]) -> tuple[list[dict], bool]:
+    """Every variant of every case, variant by variant (BF16 and FP8-Flow first, so a tight budget skips
+    the slow baselines); returns the stage rows and whether an FP8-Flow variant failed."""
+    stage_rows, ours_failed = [], False
+    for variant in variants:
+        for case in cases:
+            if time.monotonic() > deadline:
+                notes.append(f"{case.name}/{variant}: skipped, over the time budget.")
+                continue
+            start = time.monotonic()
+            try:
+                stage_rows += run_variant(case, variant)
+            except Exception as exc:  # one variant failing must not hide the others' numbers
+                first_line = str(exc).splitlines()[0][:300].rstrip(".") if str(exc) else ""
+                notes.append(f"{case.name}/{variant}: failed: {type(exc).__name__}: {first_line}.")
+                ours_failed |= variant in OURS
+                traceback.print_exc()
+            gc.collect()
+            torch.cuda.empty_cache()
+            print(f"{case.name}/{variant}: {time.monotonic() - start:.0f} s", flush=True)
+    return stage_rows, ours_failed
+
+
+def fp8_weight_copies_mib(shape: MoEShape, variant: str) -> float:
+    """FP8 weight tensors FP8-Flow keeps from forward to backward (fp8flow_ao/moe.py's docstring):
+    the exact transposes of W13 = [w1; w3] and w2 for the dgrads, and with recompute also W13 itself
+    for FC1 again; 1 byte per element + an fp32 scale per 128x128 tile. An estimate from the shapes,
+    to tell weight-derived memory (which scales with E, not with tokens) from activations."""
+    per_matrix = shape.experts * shape.hidden * shape.dim * (1 + 4 / 128**2)
+    matrices = 3 + (2 if variant == "fp8flow_recompute" else 0)  # W13^T (2) + w2^T (1) [+ W13 (2)]
+    return matrices * per_matrix / 2**20
+
+
+def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str, str], Measured]) -> list[dict]:
+    """One row per (case, routing, ours, baseline) with speed-up, memory and target checks."""
+    flops = 18 * tokens * shape.top_k * shape.dim * shape.hidden
+    rows = []
+    for (kind, variant), ours in results.items():
+        if variant not in OURS:
+            continue
+        bf16 = results.get((kind, "bf16"))
+        for baseline, label in BASELINES.items():
+            if (kind, baseline) not in results:
+                continue
+            base = results[kind, baseline]
+            target = SPEEDUP_TARGETS.get((case, baseline)) if variant == "fp8flow" else None
+            r = row(
+                f"{shape.name} T={tokens} D={shape.dim} H={shape.hidden} E={shape.experts} top{shape.top_k} {kind} [{variant}]",
+                ours.us, label, base.us, flops=flops,
+                ours_ms=round(ours.us / 1e3, 3), baseline_ms=round(base.us / 1e3, 3),
+                act_mem_mib=round(ours.act_mib, 1), baseline_act_mem_mib=round(base.act_mib, 1),
+                peak_mem_mib=round(ours.peak_mib, 1), baseline_peak_mem_mib=round(base.peak_mib, 1),
+                baseline_tflops=round(flops / base.us / 1e6, 1),
+            )  # fmt: skip
+            weights = fp8_weight_copies_mib(shape, variant)
+            r["fp8_weight_copies_mib_est"] = round(weights, 1)
+            if bf16 is not None:
+                r["act_mem_ratio_vs_bf16"] = round(ours.act_mib / bf16.act_mib, 3)
+                r["act_mem_ratio_vs_bf16_excl_weight_copies"] = round((ours.act_mib - weights) / bf16.act_mib, 3)
+            checks = []
+            if target is not None:
+                r["target"] = f">= {target}x"
+                checks.append(r["speedup"] >= target)
+            if baseline == "bf16":
+                r["memory_target"] = f"<= {MEMORY_TARGETS[variant]:.0%} of bf16"
+                checks.append(r["act_mem_ratio_vs_bf16"] <= MEMORY_TARGETS[variant])
+            if checks:
+                r["meets_target"] = all(checks)
+            rows.append(r)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument(
+        "--budget-s", type=float, default=270, help="skip variants that would start after this many seconds"
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_moe_layer: no CUDA device, nothing to measure.")
+        return
+    from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+
+    # torchao's FP8 row-wise grouped GEMM needs 16-row aligned groups (torchtitan's float8 converter
+    # sets this too); it applies to every torchtitan-padded variant alike.
+    set_token_group_alignment_size_m(16)
+    torch._dynamo.config.capture_scalar_outputs = True  # as torchtitan sets for token-choice MoE
+    torch._dynamo.config.cache_size_limit = 64
+    deadline = time.monotonic() + args.budget_s
+    variants = tuple(v for v in VARIANTS if v in args.variants)
+    if "torchao_blockwise" in variants:
+        notes = [f"torchao blockwise grouped GEMM backend: {blockwise_backend()}"]
+    else:
+        notes = []
+    cases = [prepare(name) for name in args.cases]
+    stage_rows, ours_failed = run_all(cases, variants, deadline, notes)
+    rows = [r for c in cases for r in result_rows(c.name, c.shape, c.tokens, c.results)]
+    notes.append(
+        "ours_us/baseline_us: median of forward + backward (torch.compile, bf16 params); act_mem: memory held "
+        "for backward after the forward (output excluded; FP8 weight copies included, their estimated size in "
+        "fp8_weight_copies_mib_est); meets_target uses the measured total; tflops at 18*T*k*D*H."
+    )
+    # A subset of the cases gets its own files, so running the cases one at a time keeps both.
+    name = "moe_layer" if set(args.cases) == set(CASES) else "moe_layer_" + "_".join(sorted(args.cases))
+    write_results(name, rows, notes=" ".join(notes))
+    if stage_rows:
+        note = "FP8-Flow device time per forward + backward by op (torch.profiler)."
+        write_results(name.replace("moe_layer", "moe_layer_stages"), stage_rows, notes=note)
+    if ours_failed:
+        sys.exit("bench_moe_layer: an FP8-Flow variant failed (see the notes and the traceback above)")
+
+
+if __name__ == "__main__":
+    main()

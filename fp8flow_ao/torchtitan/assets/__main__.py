@@ -1,0 +1,3 @@
+from fp8flow_ao.torchtitan.assets import main
+
+main()

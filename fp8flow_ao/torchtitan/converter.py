@@ -1,0 +1,71 @@
+"""The torchtitan model converter ``"fp8flow"``: ``quantize_(model, FP8FlowConfig(...))`` from the job config.
+
+torchtitan builds the model on the meta device, runs the converters named in ``model.converters``,
+then parallelizes, materializes (``to_empty``) and initializes it; so :meth:`FP8FlowConverter.convert`
+sees a meta-device model and only rewires MoE layers, touching no weight data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch.nn as nn
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.model_converter import ModelConverter
+from torchtitan.tools.logging import logger
+
+from fp8flow_ao.torchtitan.job_config import FP8Flow
+
+CONVERTER_NAME = "fp8flow"
+
+
+def fqn_filter(filter_fqns: Sequence[str]) -> Callable[[nn.Module, str], bool] | None:
+    """A module filter that keeps every module whose FQN contains none of ``filter_fqns`` (None: keep all)."""
+    if not filter_fqns:
+        return None
+    skip = tuple(filter_fqns)
+    return lambda module, fqn: not any(s in fqn for s in skip)
+
+
+class FP8FlowConverter(ModelConverter):
+    """Installs the FP8-Flow MoE path on every torchtitan ``MoE`` layer not filtered out.
+
+    Options come from the ``[fp8flow]`` job-config section (:class:`~fp8flow_ao.torchtitan.job_config.FP8Flow`),
+    present when ``job.custom_config_module = "fp8flow_ao.torchtitan.job_config"``; without it the
+    defaults apply.
+    """
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
+        options = getattr(job_config, "fp8flow", None)
+        if options is None:
+            logger.warning(
+                "fp8flow: no [fp8flow] job-config section (set job.custom_config_module = "
+                '"fp8flow_ao.torchtitan.job_config" to configure it); using the defaults'
+            )
+            options = FP8Flow()
+        if options.recipe not in ("blockwise", "rowwise"):
+            raise ValueError(f'fp8flow.recipe must be "blockwise" or "rowwise", got {options.recipe!r}')
+        self.options = options
+
+    def config(self):
+        """The :class:`~fp8flow_ao.config.FP8FlowConfig` this converter applies."""
+        from fp8flow_ao.config import FP8FlowConfig
+
+        return FP8FlowConfig(
+            recompute_experts=self.options.recompute_experts,
+            recipe=self.options.recipe,
+            module_filter=fqn_filter(self.options.filter_fqns),
+        )
+
+    def convert(self, model: nn.Module) -> None:
+        from torchao.quantization import quantize_
+
+        quantize_(model, self.config())
+        logger.info(
+            f"fp8flow: converted the MoE layers to FP8-Flow (recipe={self.options.recipe}, "
+            f"recompute_experts={self.options.recompute_experts}, skipped fqns={self.options.filter_fqns})"
+        )
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        """Nothing to do: weights are quantized in each forward from the updated high-precision copy."""

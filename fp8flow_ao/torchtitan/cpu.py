@@ -1,0 +1,151 @@
+"""Run torchtitan 0.2.2 models and its trainer on a machine with no GPU (smoke tests, CI, the CPU demo).
+
+Two things stop torchtitan on the CPU, and both are patched here for the duration of a ``with`` block:
+
+1. Its MoE router and reorderer count tokens per expert with ``torch.histc`` on int64 expert ids,
+   which CUDA implements and the CPU does not ("histogram_cpu" not implemented for 'Long').
+   :func:`integer_histc` counts them in fp32 and returns the input's dtype, as CUDA does.
+2. The trainer takes its device from ``torchtitan.tools.utils.device_type``, which is ``"cuda"``
+   when no accelerator is found, and calls ``torch.cuda``-style functions (set_device, memory_stats,
+   get_device_properties) through ``device_module``; model args ask ``has_cuda_capability`` whether
+   to use CUDA-only kernels (``torch._grouped_mm`` behind a Triton permute kernel), which is true on
+   a GPU machine even for a CPU run. :func:`torchtitan_on_cpu` rebinds those three names in every
+   loaded torchtitan module to ``"cpu"``, a stub module and "no"; gloo serves the one-process group.
+
+``python -m fp8flow_ao.torchtitan.cpu --job.config_file torchtitan_configs/deepseek_v3_debug_fp8flow.toml
+--training.steps 2 --training.seq_len 64 --training.local_batch_size 2`` trains on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import types
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def integer_histc() -> Iterator[None]:
+    """Within the block, ``torch.histc`` accepts integer CPU tensors (result in the input's dtype)."""
+    original = torch.histc
+
+    def histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
+        if input.is_floating_point() or input.device.type != "cpu":
+            return original(input, bins, min, max)
+        return original(input.float(), bins, min, max).to(input.dtype)
+
+    torch.histc = histc
+    try:
+        yield
+    finally:
+        torch.histc = original
+
+
+def _cpu_device_module() -> types.SimpleNamespace:
+    """The subset of ``torch.cuda``'s API that torchtitan's trainer calls, answered for the CPU."""
+    return types.SimpleNamespace(
+        set_device=lambda device: None,
+        current_device=lambda: 0,
+        device_count=lambda: 1,
+        is_available=lambda: True,
+        get_device_name=lambda device=None: "cpu",
+        get_device_properties=lambda device=None: types.SimpleNamespace(
+            total_memory=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        ),
+        memory_stats=lambda device=None: {},
+        reset_peak_memory_stats=lambda device=None: None,
+        empty_cache=lambda: None,
+        synchronize=lambda device=None: None,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rebind_in_torchtitan(overrides: dict[str, object]) -> list[tuple[types.ModuleType, str, object]]:
+    """Set each name of ``overrides`` in every loaded torchtitan module that bound torchtitan.tools.utils' object."""
+    from torchtitan.tools import utils
+
+    originals = {name: getattr(utils, name) for name in overrides}
+    saved = []
+    for module in [m for n, m in sys.modules.items() if n == "torchtitan" or n.startswith("torchtitan.")]:
+        for name, value in overrides.items():
+            if vars(module).get(name, None) is originals[name]:
+                saved.append((module, name, originals[name]))
+                setattr(module, name, value)
+    return saved
+
+
+@contextlib.contextmanager
+def torchtitan_on_cpu(model_name: str | None = None) -> Iterator[None]:
+    """Within the block, torchtitan's trainer runs as one CPU process (gloo); everything is restored after.
+
+    ``model_name`` (e.g. ``"deepseek_v3"``) is imported first, so its modules are patched too.
+    """
+    import torchtitan.train  # noqa: F401  (loads the modules that bind the device names)
+
+    if model_name is not None:
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        get_train_spec(model_name)
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
+    saved_env = {k: os.environ.get(k) for k in env}
+    overrides = {"device_type": "cpu", "device_module": _cpu_device_module(), "has_cuda_capability": _no_capability}
+    saved = []
+    try:
+        os.environ.update(env)
+        saved = _rebind_in_torchtitan(overrides)
+        with integer_histc():
+            yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _no_capability(major: int, minor: int) -> bool:
+    return False
+
+
+def train(args: list[str], init_logging: bool = True) -> list[float]:
+    """Parse torchtitan command-line ``args``, train on the CPU; return the loss of every logged step."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
+    from torchtitan.train import Trainer
+
+    if init_logging:
+        init_logger()
+    config = ConfigManager().parse_args(args)
+    with torchtitan_on_cpu(config.model.name):
+        trainer = Trainer(config)
+        losses: list[float] = []
+        log = trainer.metrics_processor.log
+
+        def record(step: int, global_avg_loss: float, *rest, **kwargs) -> None:
+            losses.append(float(global_avg_loss))
+            log(step, global_avg_loss, *rest, **kwargs)
+
+        trainer.metrics_processor.log = record
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        return losses
+
+
+if __name__ == "__main__":
+    train(sys.argv[1:])

@@ -1,0 +1,34 @@
+"""The ``[fp8flow]`` section of a torchtitan job config.
+
+torchtitan 0.2.2 merges a custom ``JobConfig`` dataclass into its own when given
+``--job.custom_config_module fp8flow_ao.torchtitan.job_config`` (or ``custom_config_module`` under
+``[job]`` in the TOML file); its fields become TOML keys and ``--fp8flow.<key>`` command-line flags::
+
+    [fp8flow]
+    recompute_experts = false
+    recipe = "blockwise"
+    filter_fqns = ["layers.1."]
+"""
+
+# No ``from __future__ import annotations`` here: torchtitan merges these dataclasses into a class of
+# another module, and tyro must resolve the field types there, which string annotations break.
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class FP8Flow:
+    recompute_experts: bool = False
+    """Keep only the FP8 expert input for backward and recompute FC1 and SwiGLU there (less memory)."""
+
+    recipe: Literal["blockwise", "rowwise"] = "blockwise"
+    """FP8 scaling: "blockwise" (1x128 activations, 128x128 weights; the FP8-Flow recipe) or "rowwise"."""
+
+    filter_fqns: list[str] = field(default_factory=list)
+    """MoE layers to leave in BF16: a layer is skipped if its fully qualified name contains any of these
+    strings (the meaning torchtitan gives ``filter_fqns`` for float8 linears)."""
+
+
+@dataclass
+class JobConfig:
+    fp8flow: FP8Flow = field(default_factory=FP8Flow)

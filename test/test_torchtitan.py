@@ -1,0 +1,256 @@
+"""torchtitan integration: offline assets, the "fp8flow" converter, the [fp8flow] job config, training.
+
+Everything runs on the CPU: torchtitan 0.2.2's trainer is made to run there by
+``fp8flow_ao.torchtitan.cpu`` (it otherwise assumes CUDA), so the TOML configs in
+``torchtitan_configs/`` are trained for two steps, BF16 and FP8-Flow side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("datasets")
+
+import fp8flow_ao.torchtitan as fp8tt  # noqa: E402  (registers the converter and the dataset)
+from fp8flow_ao import data  # noqa: E402
+from fp8flow_ao.moe import is_converted  # noqa: E402
+from fp8flow_ao.torchtitan import assets, cpu  # noqa: E402
+from fp8flow_ao.torchtitan.converter import FP8FlowConverter, fqn_filter  # noqa: E402
+from fp8flow_ao.torchtitan.job_config import FP8Flow  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "torchtitan_configs"
+BF16_TOML = CONFIGS / "deepseek_v3_debug_bf16.toml"
+FP8FLOW_TOML = CONFIGS / "deepseek_v3_debug_fp8flow.toml"
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Path:
+    """The offline corpus in the default assets directory (built on the first run of a machine, ~6 s)."""
+    return data.ensure_corpus()
+
+
+def parse(*args: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(list(args))
+
+
+# ------------------------------------------------------------------------------------------------
+# Offline assets
+# ------------------------------------------------------------------------------------------------
+
+
+def test_corpus_is_english_prose_in_a_fixed_order(corpus: Path) -> None:
+    docs = data.read_corpus(corpus)
+    assert len(docs) > 300 and sum(map(len, docs)) > 1_000_000
+    text = "\n".join(docs[:50])
+    letters = sum(c.isalpha() or c.isspace() for c in text) / len(text)
+    assert letters > 0.8, "mostly words, not code"
+    assert " the " in text and " is " in text
+    # Same order as a fresh walk: the language reference topics first, sorted by name.
+    fresh = data.iter_corpus_documents()
+    assert [next(fresh) for _ in range(3)] == docs[:3]
+
+
+def test_packaged_tokenizer_in_torchtitan(corpus: Path) -> None:
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    tok = HuggingFaceTokenizer(str(assets.TOKENIZER_DIR))
+    assert tok.get_vocab_size() == data.VOCAB_SIZE == 2048  # the deepseek_v3 debugmodel's vocab
+    assert (tok.bos_id, tok.eos_id) == (0, 1)
+    doc = data.read_corpus(corpus)[7]
+    ids = tok.encode(doc, add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and max(ids) < 2048
+    assert tok.decode(ids[1:-1]) == doc  # byte-level BPE: exact round trip
+    assert len(ids) < len(doc) / 2.5, "a BPE trained on this corpus compresses it"
+    assert (assets.TOKENIZER_DIR / "tokenizer.json").stat().st_size < 1_000_000
+
+
+def test_assets_cli_builds_corpus_and_tokenizer(tmp_path: Path, corpus: Path, capsys) -> None:
+    # A small corpus put in place first (the CLI keeps an existing corpus), so training takes a second.
+    small = data.read_corpus(corpus)[:40]
+    (tmp_path / data.CORPUS_FILE).write_text("".join(json.dumps({"text": t}) + "\n" for t in small))
+    assets.main([str(tmp_path), "--vocab-size", "400"])
+    assert "tokenizer:" in capsys.readouterr().out
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    tok = HuggingFaceTokenizer(str(tmp_path))
+    assert tok.get_vocab_size() == 400 and tok.bos_id == 0 and tok.eos_id == 1
+    assert tok.decode(tok.encode(small[3])) == small[3]
+
+
+def test_token_batches_are_shifted_windows_and_reproducible() -> None:
+    tokens = torch.arange(10_000)
+    a, b = data.TokenBatches(tokens, 3, 16, seed=1), data.TokenBatches(tokens, 3, 16, seed=1)
+    x, y = a.next()
+    assert x.shape == y.shape == (3, 16)
+    assert torch.equal(y, x + 1)  # labels are the next tokens
+    assert torch.equal(x, b.next()[0])
+    assert int(x.max()) < a.train.numel()
+    held = a.eval_batches(2)
+    assert len(held) == 2 and all(int(h[0].min()) >= a.train.numel() for h in held)
+    with pytest.raises(ValueError, match="tokens"):
+        data.TokenBatches(torch.arange(100), 2, 16, seed=0)
+
+
+def test_offline_dataset_through_torchtitan(corpus: Path) -> None:
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
+
+    assert fp8tt.DATASET_NAME in DATASETS
+    tok = HuggingFaceTokenizer(str(assets.TOKENIZER_DIR))
+    ds = HuggingFaceTextDataset(fp8tt.DATASET_NAME, str(corpus.parent), tok, seq_len=32)
+    inputs, labels = next(iter(ds))
+    assert inputs["input"].shape == labels.shape == (32,)
+    assert int(inputs["input"][0]) == tok.bos_id
+    assert torch.equal(inputs["input"][1:], labels[:-1])
+    with pytest.raises(FileNotFoundError, match="dataset_path"):
+        HuggingFaceTextDataset(fp8tt.DATASET_NAME, str(corpus.parent / "missing.jsonl"), tok, seq_len=32)
+
+
+def test_integer_histc_on_cpu_matches_bincount_and_is_restored() -> None:
+    ids = torch.randint(0, 8, (257,))
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        torch.histc(ids, bins=8, min=0, max=8)  # what stops torchtitan's router on the CPU
+    with cpu.integer_histc():
+        counts = torch.histc(ids, bins=8, min=0, max=8)
+        floats = torch.histc(ids.float(), bins=8, min=0, max=8)
+    assert counts.dtype == torch.int64 and torch.equal(counts, torch.bincount(ids, minlength=8))
+    assert torch.equal(floats, counts.float())
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        torch.histc(ids, bins=8, min=0, max=8)
+
+
+def test_torchtitan_on_cpu_rebinds_device_names_and_restores_them() -> None:
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.utils as utils
+
+    before = (utils.device_type, dist_utils.device_type, utils.has_cuda_capability)
+    with cpu.torchtitan_on_cpu("deepseek_v3"):
+        from torchtitan.models.deepseek_v3.model import args
+
+        assert utils.device_type == dist_utils.device_type == "cpu"
+        assert dist_utils.device_module.get_device_name() == "cpu"
+        assert not args.has_cuda_capability(9, 0), "a GPU machine's CPU run must not pick CUDA-only kernels"
+    assert (utils.device_type, dist_utils.device_type, utils.has_cuda_capability) == before
+    assert args.has_cuda_capability is utils.has_cuda_capability
+
+
+# ------------------------------------------------------------------------------------------------
+# Converter and job config
+# ------------------------------------------------------------------------------------------------
+
+
+def test_converter_is_registered_once() -> None:
+    from torchtitan.protocols import model_converter
+
+    assert model_converter._registry_model_converter_cls["fp8flow"] is FP8FlowConverter
+    fp8tt.register()  # again, as a second custom_import would: no "already registered" assertion
+    assert model_converter._registry_model_converter_cls["fp8flow"] is FP8FlowConverter
+
+
+def test_job_config_sections_parse_and_configs_differ_only_in_fp8flow() -> None:
+    bf16, fp8 = parse("--job.config_file", str(BF16_TOML)), parse("--job.config_file", str(FP8FLOW_TOML))
+    assert bf16.model.converters == [] and fp8.model.converters == ["fp8flow"]
+    assert fp8.fp8flow == FP8Flow() and bf16.fp8flow == FP8Flow()
+    assert fp8.training.dataset == fp8tt.DATASET_NAME and fp8.experimental.custom_import == "fp8flow_ao.torchtitan"
+    assert Path(REPO, fp8.model.hf_assets_path) == assets.TOKENIZER_DIR
+    a, b = dataclasses.asdict(bf16), dataclasses.asdict(fp8)
+    differing = {(s, k) for s in a for k in a[s] if a[s][k] != b[s][k]}
+    assert differing == {
+        ("job", "config_file"),
+        ("job", "dump_folder"),
+        ("job", "description"),
+        ("model", "converters"),
+    }
+    cli = parse(
+        "--job.config_file",
+        str(FP8FLOW_TOML),
+        "--fp8flow.recipe",
+        "rowwise",
+        "--fp8flow.filter_fqns",
+        "layers.1.,layers.3.",
+    )
+    assert cli.fp8flow.recipe == "rowwise" and cli.fp8flow.filter_fqns == ["layers.1.", "layers.3."]
+
+
+def test_job_config_section_comes_from_the_custom_module_only() -> None:
+    plain = parse("--model.name", "deepseek_v3")
+    assert not hasattr(plain, "fp8flow")
+    with_module = parse("--job.custom_config_module", "fp8flow_ao.torchtitan.job_config", "--fp8flow.recompute_experts")
+    assert with_module.fp8flow.recompute_experts is True
+    # Without the section the converter warns and uses the defaults.
+    assert FP8FlowConverter(plain, None).options == FP8Flow()
+
+
+def test_converter_options_reach_fp8flow_config() -> None:
+    cfg = parse("--job.custom_config_module", "fp8flow_ao.torchtitan.job_config", "--fp8flow.recompute_experts")
+    config = FP8FlowConverter(cfg, None).config()
+    assert config.recompute_experts is True and config.recipe == "blockwise" and config.module_filter is None
+    cfg.fp8flow.recipe = "fp4"
+    with pytest.raises(ValueError, match="fp8flow.recipe"):
+        FP8FlowConverter(cfg, None)
+    keep = fqn_filter(["layers.2."])
+    assert keep(None, "layers.1.moe") and not keep(None, "layers.2.moe")
+    assert fqn_filter([]) is None
+
+
+def debug_args(n_layers: int = 3):
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    args = dataclasses.replace(deepseekv3_args["debugmodel"], n_layers=n_layers, max_seq_len=32)
+    args.moe_args = dataclasses.replace(args.moe_args, use_grouped_mm=False)  # torchtitan's choice off sm90
+    args.moe_impl = "standard"  # set by update_from_config in a torchtitan run
+    return args
+
+
+def test_converter_on_meta_model_then_materialize_and_train() -> None:
+    """torchtitan's order: build on meta, convert, to_empty, init_weights; then a training step."""
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+
+    cfg = parse("--job.custom_config_module", "fp8flow_ao.torchtitan.job_config", "--fp8flow.filter_fqns", "layers.2.")
+    with torch.device("meta"):
+        model = DeepSeekV3Model(debug_args())
+    reference_keys = list(model.state_dict())
+    FP8FlowConverter(cfg, None).convert(model)
+    assert is_converted(model.layers["1"].moe) and not is_converted(model.layers["2"].moe)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    assert list(model.state_dict()) == reference_keys
+    tokens = torch.randint(0, 2048, (2, 32))
+    with cpu.integer_histc():
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+    assert math.isfinite(loss.item())
+    w1 = model.layers["1"].moe.experts.w1
+    assert w1.grad is not None and torch.isfinite(w1.grad).all() and w1.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="already converted"):
+        FP8FlowConverter(cfg, None).convert(model)
+
+
+def test_trainer_trains_both_configs_on_cpu(tmp_path: Path, corpus: Path) -> None:
+    """torchtitan's Trainer, 2 steps of each TOML on the CPU: same initial loss, both learn, FP8 close to BF16."""
+    common = [
+        "--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--training.dataset_path", str(corpus.parent), "--training.mixed_precision_param", "float32",
+        "--model.hf_assets_path", str(assets.TOKENIZER_DIR),
+    ]  # fmt: skip
+    losses = {
+        name: cpu.train(["--job.config_file", str(toml), "--job.dump_folder", str(tmp_path / name), *common], False)
+        for name, toml in (("bf16", BF16_TOML), ("fp8flow", FP8FLOW_TOML))
+    }
+    assert all(len(v) == 2 and all(map(math.isfinite, v)) for v in losses.values())
+    assert losses["bf16"][1] < losses["bf16"][0] and losses["fp8flow"][1] < losses["fp8flow"][0]
+    for step in range(2):
+        assert losses["fp8flow"][step] == pytest.approx(losses["bf16"][step], rel=1e-3)
+    assert losses["fp8flow"] != losses["bf16"], "the fp8flow run must have run the FP8 path"
+    assert not torch.distributed.is_initialized()  # the one-process group is torn down
