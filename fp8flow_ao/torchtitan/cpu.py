@@ -11,6 +11,8 @@ Two things stop torchtitan on the CPU, and both are patched here for the duratio
    to use CUDA-only kernels (``torch._grouped_mm`` behind a Triton permute kernel), which is true on
    a GPU machine even for a CPU run. :func:`torchtitan_on_cpu` rebinds those three names in every
    loaded torchtitan module to ``"cpu"``, a stub module and "no"; gloo serves the one-process group.
+3. Its token-group padding (``generate_permute_indices``) launches a Triton kernel unless told
+   ``use_cpu=True``; on a GPU machine that kernel refuses CPU tensors, so the block passes it.
 
 ``python -m fp8flow_ao.torchtitan.cpu --job.config_file torchtitan_configs/deepseek_v3_debug_fp8flow.toml
 --training.steps 2 --training.seq_len 64 --training.local_batch_size 2`` trains on the CPU.
@@ -19,6 +21,7 @@ Two things stop torchtitan on the CPU, and both are patched here for the duratio
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import sys
@@ -99,10 +102,13 @@ def torchtitan_on_cpu(model_name: str | None = None) -> Iterator[None]:
     env["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
     saved_env = {k: os.environ.get(k) for k in env}
     overrides = {"device_type": "cpu", "device_module": _cpu_device_module(), "has_cuda_capability": _no_capability}
-    saved = []
+    from torchtitan.models.moe import utils as moe_utils
+
+    saved = [(moe_utils, "generate_permute_indices", moe_utils.generate_permute_indices)]
     try:
         os.environ.update(env)
-        saved = _rebind_in_torchtitan(overrides)
+        moe_utils.generate_permute_indices = functools.partial(saved[0][2], use_cpu=True)
+        saved += _rebind_in_torchtitan(overrides)
         with integer_histc():
             yield
     finally:
