@@ -100,7 +100,10 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         )
         ctx.recompute, ctx.top_k = recompute, top_k
         ctx.dtypes = (x.dtype, probs.dtype, w1.dtype, w2.dtype, w3.dtype)
-        return out.to(x.dtype)
+        # Return the op's result itself when the dtype already matches: a no-op ``.to`` would hand back an
+        # alias of an intermediate, and torch 2.11's dynamo then routes the output's gradient to the
+        # intermediate's slot (pytorch/pytorch#180642): compiled backward saw zeros instead of dy.
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
