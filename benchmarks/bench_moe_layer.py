@@ -383,16 +383,6 @@ def run_all(cases: list[Case], variants: tuple[str, ...], deadline: float, notes
     return stage_rows, ours_failed
 
 
-def fp8_weight_copies_mib(shape: MoEShape, variant: str) -> float:
-    """FP8 weight tensors FP8-Flow keeps from forward to backward (fp8flow_ao/moe.py's docstring):
-    the exact transposes of W13 = [w1; w3] and w2 for the dgrads, and with recompute also W13 itself
-    for FC1 again; 1 byte per element + an fp32 scale per 128x128 tile. An estimate from the shapes,
-    to tell weight-derived memory (which scales with E, not with tokens) from activations."""
-    per_matrix = shape.experts * shape.hidden * shape.dim * (1 + 4 / 128**2)
-    matrices = 3 + (2 if variant == "fp8flow_recompute" else 0)  # W13^T (2) + w2^T (1) [+ W13 (2)]
-    return matrices * per_matrix / 2**20
-
-
 def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str, str], Measured]) -> list[dict]:
     """One row per (case, routing, ours, baseline) with speed-up, memory and target checks."""
     flops = 18 * tokens * shape.top_k * shape.dim * shape.hidden
@@ -414,11 +404,8 @@ def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str
                 peak_mem_mib=round(ours.peak_mib, 1), baseline_peak_mem_mib=round(base.peak_mib, 1),
                 baseline_tflops=round(flops / base.us / 1e6, 1),
             )  # fmt: skip
-            weights = fp8_weight_copies_mib(shape, variant)
-            r["fp8_weight_copies_mib_est"] = round(weights, 1)
             if bf16 is not None:
                 r["act_mem_ratio_vs_bf16"] = round(ours.act_mib / bf16.act_mib, 3)
-                r["act_mem_ratio_vs_bf16_excl_weight_copies"] = round((ours.act_mib - weights) / bf16.act_mib, 3)
             checks = []
             if target is not None:
                 r["target"] = f">= {target}x"
@@ -461,8 +448,8 @@ def main() -> None:
     rows = [r for c in cases for r in result_rows(c.name, c.shape, c.tokens, c.results)]
     notes.append(
         "ours_us/baseline_us: median of forward + backward (torch.compile, bf16 params); act_mem: memory held "
-        "for backward after the forward (output excluded; FP8 weight copies included, their estimated size in "
-        "fp8_weight_copies_mib_est); meets_target uses the measured total; tflops at 18*T*k*D*H."
+        "for backward after the forward (output excluded; FP8-Flow keeps no weight copies: it re-quantizes the "
+        "weights' transposes in backward); tflops at 18*T*k*D*H."
     )
     # A subset of the cases gets its own files, so running the cases one at a time keeps both.
     name = "moe_layer" if set(args.cases) == set(CASES) else "moe_layer_" + "_".join(sorted(args.cases))
