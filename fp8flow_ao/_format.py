@@ -84,17 +84,3 @@ def dequantize_rows_reference(
     k = data.shape[-1]
     expanded = scale_inv.repeat_interleave(block, dim=-1)[..., :k]
     return (data.float() * expanded).to(out_dtype)
-
-
-def quantize_blocks_2d_reference(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference ``block`` x ``block`` quantization of the last two dims of ``x`` (weights: 128x128).
-
-    Both of the last two dims must be multiples of ``block``. Returns ``data`` (E4M3, shape of ``x``)
-    and ``scale_inv`` (fp32, ``[..., R / block, C / block]``), one power-of-two scale per tile.
-    """
-    *lead, r, c = x.shape
-    tiles = x.float().reshape(*lead, r // block, block, c // block, block)
-    amax = nan_free_abs(tiles).amax(dim=(-3, -1))
-    scale_inv, scale = pow2_scale_inv(amax)
-    data = cast_to_fp8(tiles * scale[..., :, None, :, None]).reshape(x.shape)
-    return data.contiguous(), scale_inv
