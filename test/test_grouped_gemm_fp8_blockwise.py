@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, INTERPRETING
+from conftest import DEVICE
+from fp8_helpers import GEMM_TOLERANCE as TOLERANCE
+from fp8_helpers import padded_ends
 
 from fp8flow_ao._format import BLOCK, quantize_rows_reference
 from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as mod
@@ -16,21 +18,6 @@ from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import (
     launch_grouped_gemm_fp8_blockwise,
 )
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128_reference
-
-# Relative error (Frobenius norm) against fp32 math on the dequantized operands. bf16 output: its
-# rounding. fp32 output: 1e-5 where the dot is exact fp32 (the CPU interpreter). On Hopper the FP8
-# tensor cores add the products of each 128-wide block with ~14-bit alignment (why the partials are
-# promoted every 128; DeepSeek-V3 report, 3.3.2): measured 1.2e-4..2e-4 on an H200, so 5e-4 there.
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5 if INTERPRETING else 5e-4}
-
-
-def padded_ends(counts: list[int]) -> list[int]:
-    """Group end offsets with each group padded up to a multiple of 128 rows."""
-    ends, end = [], 0
-    for c in counts:
-        end += -(-c // BLOCK) * BLOCK
-        ends.append(end)
-    return ends
 
 
 def make_rows(counts: list[int], k: int, extra_rows: int = 0, device: str = DEVICE):
