@@ -207,16 +207,7 @@ def _grouped_gemm_fp8_blockwise_op(
     return grouped_gemm_fp8_blockwise_reference(a, a_scale, b, b_scale, group_end_offsets, out_dtype)
 
 
-@_grouped_gemm_fp8_blockwise_op.register_kernel("cuda")
-def _(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    group_end_offsets: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    return launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, group_end_offsets, out_dtype)
+_grouped_gemm_fp8_blockwise_op.register_kernel("cuda")(launch_grouped_gemm_fp8_blockwise)
 
 
 @_grouped_gemm_fp8_blockwise_op.register_fake

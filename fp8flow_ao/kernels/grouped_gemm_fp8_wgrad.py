@@ -207,16 +207,7 @@ def _grouped_gemm_fp8_wgrad_op(
     return grouped_gemm_fp8_wgrad_reference(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
 
 
-@_grouped_gemm_fp8_wgrad_op.register_kernel("cuda")
-def _(
-    a_t: torch.Tensor,
-    a_t_scale: torch.Tensor,
-    b_t: torch.Tensor,
-    b_t_scale: torch.Tensor,
-    group_end_offsets: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    return launch_grouped_gemm_fp8_wgrad(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
+_grouped_gemm_fp8_wgrad_op.register_kernel("cuda")(launch_grouped_gemm_fp8_wgrad)
 
 
 @_grouped_gemm_fp8_wgrad_op.register_fake
