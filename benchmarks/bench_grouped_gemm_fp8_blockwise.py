@@ -12,6 +12,8 @@ FLOPs = 2 * rows * N * K with rows = the padded rows of all groups (what every g
 computes); TFLOP/s = FLOPs / time. Shapes from PERF.md: M = 16384 / 32768 routed rows, (K, N) =
 (7168, 4096), (2048, 7168), (7168, 2048), E = 8 / 32, balanced or skewed (Zipf, empty experts).
 Forward: out[M, N] = X[M, K] W_e^T; dgrad: dX[M, K] = dY[M, N] W_e; wgrad: dW_e[N, K] = dY_e^T X_e.
+"ours" is the op's CUDA kernel (on Hopper the warp-specialized Gluon sm90 kernel); our Triton tl.dot
+kernel runs beside it as a baseline row.
 
     python benchmarks/bench_grouped_gemm_fp8_blockwise.py            # default subset (~2-3 min on H100)
     python benchmarks/bench_grouped_gemm_fp8_blockwise.py --full     # the whole matrix
@@ -80,7 +82,10 @@ def make_problem(m: int, k: int, n: int, e: int, routing: str) -> dict:
 
 
 def ours(p: dict, which: str, config=None) -> tuple[Callable, tuple]:
-    from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import launch_grouped_gemm_fp8_blockwise
+    """The op's CUDA kernel (sm90 Gluon on Hopper) or, with ``config``, the kernel that config is for."""
+    import triton
+
+    from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as fwd
     from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import launch_grouped_gemm_fp8_wgrad
 
     if which == "wgrad":
@@ -89,7 +94,22 @@ def ours(p: dict, which: str, config=None) -> tuple[Callable, tuple]:
     a, sa, b, sb = (
         (p["x8"], p["xs"], p["w8"], p["ws"]) if which == "forward" else (p["dy8"], p["dys"], p["wt8"], p["wts"])
     )
-    return lambda *a: launch_grouped_gemm_fp8_blockwise(*a, config=config), (a, sa, b, sb, p["offs"], torch.bfloat16)
+    args = (a, sa, b, sb, p["offs"], torch.bfloat16)
+    if config is None:
+        return fwd.launch_grouped_gemm_fp8_blockwise, args
+    if isinstance(config, triton.Config):
+        return lambda *a: fwd.launch_grouped_gemm_fp8_blockwise_triton(*a, config=config), args
+    return lambda *a: fwd.launch_grouped_gemm_fp8_blockwise_sm90(*a, config=config), args
+
+
+def ours_triton(p: dict, which: str) -> tuple[Callable, tuple]:
+    """Our Triton (tl.dot) kernel, autotuned: the previous version, for the speed-up of the sm90 kernel."""
+    if which == "wgrad":
+        raise NotImplementedError("wgrad has one kernel")
+    from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import launch_grouped_gemm_fp8_blockwise_triton
+
+    _, args = ours(p, which)
+    return launch_grouped_gemm_fp8_blockwise_triton, args
 
 
 def bf16_grouped(p: dict, which: str) -> tuple[Callable, tuple]:
@@ -158,6 +178,7 @@ def torchao_dense_blockwise(p: dict, which: str) -> tuple[Callable, tuple]:
 
 
 BASELINES = {
+    "fp8flow Triton tl.dot kernel": ours_triton,
     "bf16 torch._grouped_mm": bf16_grouped,
     "fp8 row-wise torch._scaled_grouped_mm": fp8_rowwise_grouped,
     "cuBLAS dense blockwise F.scaled_mm": cublas_dense_blockwise,
@@ -206,19 +227,24 @@ def run_cases(cases, passes) -> list[dict]:
 
 def run_sweep() -> list[dict]:
     """Every candidate config of both kernels, pinned (no autotune), on the PERF.md anchor shapes."""
-    from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import FORWARD_CONFIGS
+    from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import FORWARD_CONFIGS, SM90_CONFIGS
     from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import WGRAD_CONFIGS
 
+    forward = SM90_CONFIGS + FORWARD_CONFIGS
     rows_out = []
     for m, k, n, e, routing in SWEEP_CASES:
         p = make_problem(m, k, n, e, routing)
-        for which, configs in (("forward", FORWARD_CONFIGS), ("dgrad", FORWARD_CONFIGS), ("wgrad", WGRAD_CONFIGS)):
+        for which, configs in (("forward", forward), ("dgrad", forward), ("wgrad", WGRAD_CONFIGS)):
             nn, kk = pass_dims(p, which)
             flops = 2 * p["rows"] * nn * kk
             for cfg in configs:
                 fn, args = ours(p, which, config=cfg)
                 us = bench_us(fn, [args])
-                name = f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}"
+                name = (
+                    str(cfg)
+                    if not hasattr(cfg, "kwargs")
+                    else f"triton {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}"
+                )
                 print(f"{which} M={m} K={k} N={n} E={e}: {name}: {flops / us / 1e6:.0f} TFLOP/s", flush=True)
                 rows_out.append(
                     row(f"{which} M={m} K={k} N={n} E={e} {routing}", us, "-", None, flops=flops, config=name)

@@ -7,7 +7,8 @@
   conversions with exact ones that do what the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` does (round to
   nearest even, saturate at +-448, keep NaN). ``test_interpreter_fp8_cast.py`` proves both the bug and
   the fix, and, on a GPU, that the GPU agrees with the same reference.
-* Markers: ``gpu`` (needs CUDA), ``sm90`` (needs a Hopper GPU); both skip cleanly elsewhere.
+* Markers: ``gpu`` (needs CUDA), ``sm90`` (needs compute capability 9.0 or newer), ``hopper`` (needs
+  exactly a Hopper GPU, 9.x: the Gluon wgmma kernels); all skip cleanly elsewhere.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if not HAS_CUDA:
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
+IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 
 _TORCH_FP8 = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
 
@@ -98,16 +100,20 @@ if INTERPRETING:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "sm90: needs a Hopper (sm_90) GPU (skipped elsewhere)")
+    config.addinivalue_line("markers", "hopper: needs exactly a Hopper GPU, compute capability 9.x (skipped elsewhere)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_sm90 = pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")
+    skip_hopper = pytest.mark.skip(reason="needs a Hopper GPU (compute capability 9.x)")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
         if "sm90" in item.keywords and not IS_SM90:
             item.add_marker(skip_sm90)
+        if "hopper" in item.keywords and not IS_HOPPER:
+            item.add_marker(skip_hopper)
 
 
 @pytest.fixture(autouse=True)

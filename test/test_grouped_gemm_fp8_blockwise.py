@@ -1,8 +1,15 @@
-"""grouped_gemm_fp8_blockwise: Triton kernel (GPU, or the CPU interpreter) against the fp32 reference,
-forward and dgrad, group edge cases, op registration, compile and bad input."""
+"""grouped_gemm_fp8_blockwise: both kernels -- Triton (GPU, or the CPU interpreter) and the Gluon sm90
+kernel (Hopper; on the CPU it is built for sm_90a, not run) -- against the fp32 reference, forward
+and dgrad, group edge cases, op registration, compile and bad input."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import conftest
 import pytest
 import torch
 from conftest import DEVICE
@@ -13,11 +20,22 @@ from fp8flow_ao._format import BLOCK, quantize_rows_reference
 from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as mod
 from fp8flow_ao.kernels._grouped_gemm_common import AUTOTUNE_KEY
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import (
+    OUT_DTYPES,
+    Sm90Config,
     grouped_gemm_fp8_blockwise,
     grouped_gemm_fp8_blockwise_reference,
-    launch_grouped_gemm_fp8_blockwise,
+    launch_grouped_gemm_fp8_blockwise_sm90,
+    launch_grouped_gemm_fp8_blockwise_triton,
 )
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128_reference
+
+LAUNCHERS = {"triton": launch_grouped_gemm_fp8_blockwise_triton, "sm90": launch_grouped_gemm_fp8_blockwise_sm90}
+
+
+@pytest.fixture(params=["triton", pytest.param("sm90", marks=pytest.mark.hopper)])
+def launch(request: pytest.FixtureRequest):
+    """Each kernel's launcher; the sm90 one only where it runs (a Hopper GPU)."""
+    return LAUNCHERS[request.param]
 
 
 def make_rows(counts: list[int], k: int, extra_rows: int = 0, device: str = DEVICE):
@@ -74,21 +92,21 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_forward_matches_reference(case, out_dtype):
+def test_forward_matches_reference(case, out_dtype, launch):
     counts, k, n, extra = CASES[case]
     a, a_scale, offsets = make_rows(counts, k, extra)
     b, b_scale = make_weights(len(counts), n, k)
-    out = launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets, out_dtype)
+    out = launch(a, a_scale, b, b_scale, offsets, out_dtype)
     check(out, a, a_scale, b, b_scale, offsets, out_dtype)
 
 
-def test_dgrad_uses_the_transposed_weight():
+def test_dgrad_uses_the_transposed_weight(launch):
     """dgrad: dX = dY @ W_e, with W_e's exact FP8 transpose ([E, K, N] data, [E, K/128, N/128] scales)."""
     counts, k, n = [256, 0, 128], 128, 256  # forward W: [E, N=256, K=128]; dY: [M, N]
     dy, dy_scale, offsets = make_rows(counts, n)
     w, w_scale = make_weights(len(counts), n, k)
     w_t, w_t_scale = w.transpose(1, 2).contiguous(), w_scale.transpose(1, 2).contiguous()
-    out = launch_grouped_gemm_fp8_blockwise(dy, dy_scale, w_t, w_t_scale, offsets, torch.float32)
+    out = launch(dy, dy_scale, w_t, w_t_scale, offsets, torch.float32)
     assert out.shape == (dy.shape[0], k)
     # oracle written independently: dequantize and multiply by the untransposed weight
     dy32 = dy.float().cpu() * dy_scale.cpu().repeat_interleave(BLOCK, 1)
@@ -97,37 +115,37 @@ def test_dgrad_uses_the_transposed_weight():
     assert rel_error(out, expected) < TOLERANCE[torch.float32]
 
 
-def test_non_finite_scales_give_non_finite_output():
+def test_non_finite_scales_give_non_finite_output(launch):
     a, a_scale, offsets = make_rows([128, 128], 128)
     b, b_scale = make_weights(2, 128, 128)
     a_scale[5, 0] = float("nan")
     b_scale[1, 0, 0] = float("inf")
-    out = launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets, torch.float32).cpu()
+    out = launch(a, a_scale, b, b_scale, offsets, torch.float32).cpu()
     assert torch.isnan(out[5]).all()
     assert not torch.isfinite(out[128:]).any()
     assert torch.isfinite(out[:128][torch.arange(128) != 5]).all()
 
 
 @pytest.mark.gpu
-def test_nan_data_gives_nan_output():
+def test_nan_data_gives_nan_output(launch):
     """GPU only: the interpreter's fp8 dot converts E4M3 NaN (0x7F) to a finite number."""
     a, a_scale, offsets = make_rows([128, 128], 128)
     b, b_scale = make_weights(2, 128, 128)
     a[5, 7] = float("nan")
     b[1, 3, 9] = float("nan")
-    out = launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets, torch.float32).cpu()
+    out = launch(a, a_scale, b, b_scale, offsets, torch.float32).cpu()
     assert torch.isnan(out[5]).all() and torch.isnan(out[128:, 3]).all()
     assert int(torch.isnan(out).sum()) == 128 + 128
 
 
-def test_row_stride_is_free():
+def test_row_stride_is_free(launch):
     a, a_scale, offsets = make_rows([128, 128], 128)
     b, b_scale = make_weights(2, 128, 128)
     wide = torch.zeros(a.shape[0], 384, dtype=a.dtype, device=DEVICE)
     wide[:, 128:256] = a
     scale_wide = torch.zeros(a.shape[0], 3, device=DEVICE)
     scale_wide[:, 1:2] = a_scale
-    out = launch_grouped_gemm_fp8_blockwise(wide[:, 128:256], scale_wide[:, 1:2], b, b_scale, offsets, torch.float32)
+    out = launch(wide[:, 128:256], scale_wide[:, 1:2], b, b_scale, offsets, torch.float32)
     check(out, a, a_scale, b, b_scale, offsets, torch.float32)
 
 
@@ -139,28 +157,84 @@ def test_zero_rows():
 
 
 @pytest.mark.gpu
-def test_promotion_keeps_error_flat_in_k():
+def test_promotion_keeps_error_flat_in_k(launch):
     """Per-128-K promotion: the tensor cores' limited-precision sums never span more than one block,
     so the relative error does not grow with K (it would, were the whole K summed on the tensor cores)."""
     errors = []
     for k in (128, 4096):
         a, a_scale, offsets = make_rows([256, 256], k)
         b, b_scale = make_weights(2, 256, k)
-        out = launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets, torch.float32)
+        out = launch(a, a_scale, b, b_scale, offsets, torch.float32)
         ref = grouped_gemm_fp8_blockwise_reference(*(t.cpu() for t in (a, a_scale, b, b_scale, offsets)), torch.float32)
         errors.append(rel_error(out, ref))
     assert errors[1] < 2 * errors[0] + 1e-6, errors
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", mod.FORWARD_CONFIGS, ids=str)
-def test_every_config(config):
-    """Each autotune candidate is correct (the autotuner may pick any), on a shape with many tiles."""
-    counts = [300, 0, 1000, 129, 640, 0, 17, 900]
-    a, a_scale, offsets = make_rows(counts, 512, extra_rows=200)
-    b, b_scale = make_weights(len(counts), 384, 512)
-    out = launch_grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, offsets, torch.bfloat16, config=config)
-    check(out, a, a_scale, b, b_scale, offsets, torch.bfloat16)
+EVERY_CONFIG = [
+    pytest.param(launch_grouped_gemm_fp8_blockwise_triton, c, marks=pytest.mark.gpu) for c in mod.FORWARD_CONFIGS
+]
+EVERY_CONFIG += [
+    pytest.param(launch_grouped_gemm_fp8_blockwise_sm90, c, marks=pytest.mark.hopper) for c in mod.SM90_CONFIGS
+]
+
+
+@pytest.mark.parametrize(("launcher", "config"), EVERY_CONFIG, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_every_config(launcher, config, out_dtype):
+    """Each launch config is correct (the autotuner, or a sweep, may pick any), on a shape with many
+    tiles per program (so the persistent loop and the TMA ring wrap around)."""
+    counts = [300, 0, 1000, 129, 640, 0, 17, 900, 4100, 0, 2000, 128]
+    a, a_scale, offsets = make_rows(counts, 1024, extra_rows=200)
+    b, b_scale = make_weights(len(counts), 384, 1024)
+    if isinstance(config, Sm90Config) and config.smem_bytes(out_dtype) > mod.SM90_SMEM_BYTES:
+        pytest.skip(f"{config} does not fit with {out_dtype} out")
+    out = launcher(a, a_scale, b, b_scale, offsets, out_dtype, config=config)
+    check(out, a, a_scale, b, b_scale, offsets, out_dtype)
+
+
+_BUILD_EVERY_SM90_CONFIG = """
+import json, torch
+from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as mod
+built = []
+for config in mod.SM90_CONFIGS:
+    for out_dtype in (torch.bfloat16, torch.float32):
+        if config.smem_bytes(out_dtype) <= mod.SM90_SMEM_BYTES:
+            kernel = mod.build_sm90_kernel(config, out_dtype, num_experts=8)
+            built.append([str(config), str(out_dtype), kernel.metadata.shared, len(kernel.asm["cubin"])])
+print(json.dumps(built))
+"""
+
+
+def test_sm90_kernel_builds_for_hopper():
+    """On any machine: the Gluon kernel compiles to sm_90a cubins with this Triton, every config, both
+    output dtypes -- API drift between Triton releases shows up in the CPU suite, not first on a GPU.
+    In a fresh process: under TRITON_INTERPRET=1 (this suite without a GPU) Triton's own reduction
+    helpers are interpreter functions, which the Gluon compiler refuses."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _BUILD_EVERY_SM90_CONFIG], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    fitting = [c for c in mod.SM90_CONFIGS for d in OUT_DTYPES if c.smem_bytes(d) <= mod.SM90_SMEM_BYTES]
+    assert len(built) == len(fitting) >= len(mod.SM90_CONFIGS)
+    for config, out_dtype, shared, cubin_bytes in built:
+        assert shared <= mod.SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
+
+
+def test_sm90_refuses_configs_that_do_not_fit():
+    a, a_scale, offsets = make_rows([128], 128)
+    b, b_scale = make_weights(1, 128, 128)
+    with pytest.raises(ValueError, match="shared memory"):
+        launch_grouped_gemm_fp8_blockwise_sm90(a, a_scale, b, b_scale, offsets, torch.float32, Sm90Config(stages=7))
+
+
+@pytest.mark.skipif(conftest.IS_HOPPER, reason="checks the refusal off Hopper")
+def test_sm90_refuses_other_devices():
+    a, a_scale, offsets = make_rows([128], 128)
+    b, b_scale = make_weights(1, 128, 128)
+    with pytest.raises(RuntimeError, match="needs a Hopper GPU"):
+        launch_grouped_gemm_fp8_blockwise_sm90(a, a_scale, b, b_scale, offsets)
 
 
 def test_autotune_keys_are_kernel_arguments():

@@ -1,4 +1,4 @@
-"""Static checks on every Triton kernel of the package, so the CPU suite catches what only the GPU
+"""Static checks on every Triton and Gluon kernel of the package, so the CPU suite catches what only the GPU
 compiler would reject: the interpreter lets a @triton.jit function read any module global, the GPU
 compiler only tl.constexpr globals, JIT functions and modules."""
 
@@ -47,7 +47,13 @@ def _read_globals(fn: types.FunctionType) -> set[str]:
 
 
 def _allowed(value: object) -> bool:
-    return isinstance(value, tl.constexpr | types.ModuleType) or hasattr(value, "run") or value is triton.jit
+    # Builtins (tl.load, Gluon's TMA copies) compile like attributes of their modules.
+    return (
+        isinstance(value, tl.constexpr | types.ModuleType)
+        or hasattr(value, "run")
+        or value is triton.jit
+        or getattr(value, "__triton_builtin__", False)
+    )
 
 
 def test_there_are_kernels_to_check():

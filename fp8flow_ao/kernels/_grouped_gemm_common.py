@@ -72,12 +72,14 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def persistent_grid(device: torch.device, tiles_of: Callable[[dict[str, Any]], int]) -> Callable:
     """Grid function: ``min(tiles, programs)`` programs, ``programs = SMs * PROGRAMS_PER_SM``."""
-    if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        sms = _INTERPRET_PROGRAMS
+    sms = sm_count(device) if device.type == "cuda" else _INTERPRET_PROGRAMS
 
     def grid(meta: dict[str, Any]) -> tuple[int]:
         return (max(1, min(tiles_of(meta), sms * meta["PROGRAMS_PER_SM"])),)

@@ -6,19 +6,40 @@ K-major ``[E, N, K]`` with 128x128 scales ``[E, N/128, K/128]``. For dgrad the c
 exact FP8 transpose of the forward weight (``[E, K, N]`` data, ``[E, K/128, N/128]`` scales: 128x128
 blocks are symmetric under transpose), so the same op serves both.
 
-Kernel: a persistent grid walks (128-row M tile, N tile) pairs. Groups start on multiples of 128, so
-an M tile never straddles two experts; each tile finds its expert from the group end offsets on the
-device (no host sync). Operands arrive by tensor-descriptor (TMA) loads; per 128-wide K block the
-tensor-core partial product is promoted into the fp32 accumulator with ``scale_a[m] * scale_b``
-(the per-128-K promotion that keeps FP8 accumulation error bounded). Tiles at or past the last
-group end read nothing and store zeros, so the whole output is defined.
+Two kernels share one contract. Both walk (128-row M tile, 128-column N tile) pairs on a persistent
+grid; groups start on multiples of 128, so an M tile never straddles two experts, and each tile finds
+its expert from the group end offsets on the device (no host sync). Operands arrive by TMA; per
+128-wide K block the tensor-core partial product is promoted into the fp32 accumulator with
+``scale_a[m] * scale_b`` (the per-128-K promotion that keeps FP8 accumulation error bounded). Tiles at
+or past the last group end read nothing and store zeros, so the whole output is defined.
+
+* ``sm90`` (Gluon, Hopper only, the CUDA default there): warp-specialized. One producer warp issues
+  the TMA loads into a ring of ``stages`` shared-memory slots; two consumer warpgroups each own 64
+  rows of the tile and release a slot on their own mbarrier arrival. Nothing locks the two consumers
+  together, so one's promotion (FFMAs on the CUDA cores) runs under the other's MMAs -- the overlap
+  the Triton kernel cannot express (its CTA-wide barriers and wait-for-every-MMA promotion serialize
+  the tensor cores; benchmarks/results/grouped_gemm_notes.md).
+* ``triton`` (``tl.dot``): any TMA-capable GPU and the CPU interpreter; autotuned.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp8flow_ao._checks import (
     check_contiguous,
@@ -42,6 +63,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     launch,
     persistent_grid,
     set_tma_workspace_allocator,
+    sm_count,
 )
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -123,7 +145,19 @@ def _grouped_gemm_fp8_blockwise_kernel(
 _grouped_gemm_fp8_blockwise_tuned = autotuned(FORWARD_CONFIGS)(_grouped_gemm_fp8_blockwise_kernel)
 
 
-def launch_grouped_gemm_fp8_blockwise(
+def _output_and_dims(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """Both launchers' start: the uninitialized output, ``(M, N, K, E)``, TMA checks when M > 0."""
+    m, k = a.shape
+    e, n, _ = b.shape
+    if m:
+        check_tma_operand("a", a)
+        check_tma_operand("b", b)
+    return torch.empty((m, n), dtype=out_dtype, device=a.device), (m, n, k, e)
+
+
+def launch_grouped_gemm_fp8_blockwise_triton(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     b: torch.Tensor,
@@ -137,13 +171,9 @@ def launch_grouped_gemm_fp8_blockwise(
     ``config`` pins one launch config (tests, config sweeps); by default the GPU autotunes over
     :data:`FORWARD_CONFIGS` and the interpreter runs :data:`INTERPRET_CONFIG`.
     """
-    m, k = a.shape
-    e, n, _ = b.shape
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    out, (m, n, k, e) = _output_and_dims(a, b, out_dtype)
     if m == 0:
         return out
-    check_tma_operand("a", a)
-    check_tma_operand("b", b)
     set_tma_workspace_allocator(a.device)
     grid = persistent_grid(a.device, lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]))
     launch(
@@ -165,6 +195,315 @@ def launch_grouped_gemm_fp8_blockwise(
         config=INTERPRET_CONFIG if config is None and interpreting() else config,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sm90: the warp-specialized Gluon kernel.
+
+# Rows of the tile each consumer warpgroup owns: one m64 wgmma row block.
+_WG_ROWS = gl.constexpr(64)
+_SM90_BLOCK = gl.constexpr(BLOCK)  # tile rows = tile columns = K block
+# Triton 3.6 names the TMA copies async_copy_global_to_shared / _shared_to_global; 3.7+ renamed
+# them async_load / async_store and turned the old names into errors. (A constexpr branch inside
+# the kernel does not help: 3.6 resolves every attribute of a kernel's source when hashing it.)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# Shared memory one CTA may use on Hopper (227 KiB), for the stage-count check.
+SM90_SMEM_BYTES = 227 * 1024
+
+
+@dataclass(frozen=True)
+class Sm90Config:
+    """Launch settings of the sm90 kernel: ``stages`` operand slots in the TMA ring, ``group_m``
+    M tiles walked together (L2 reuse of the weight tiles)."""
+
+    stages: int = 4
+    group_m: int = 8
+
+    def smem_bytes(self, out_dtype: torch.dtype) -> int:
+        """Shared memory of one CTA: the operand ring plus two 64x128 output staging tiles."""
+        out_bytes = 2 * 64 * BLOCK * torch.empty((), dtype=out_dtype).element_size()
+        return self.stages * 2 * BLOCK * BLOCK + out_bytes
+
+
+# Measured on an H200 (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md).
+SM90_CONFIGS = [
+    Sm90Config(4, 8),
+    Sm90Config(5, 8),
+    Sm90Config(3, 8),
+    Sm90Config(4, 16),
+]
+
+
+@gluon.jit
+def _sm90_tile(tile, num_m, num_n, GROUP_M: gl.constexpr):
+    """Tile index -> ``(pid_m, pid_n)``, ``GROUP_M`` rows of tiles together (as :func:`grouped_tile`)."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    rows_in_group = gl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % rows_in_group, (tile % per_group) // rows_in_group
+
+
+@gluon.jit
+def _sm90_expert_of_row(ends_ptr, row, E, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """Expert owning ``row`` (as :func:`expert_of_row`), clamped to ``E - 1``."""
+    offs = gl.arange(0, E_POW2, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    ends = gl.load(ends_ptr + offs, mask=offs < E, other=2147483647)
+    return gl.minimum(gl.sum((ends <= row).to(gl.int32), axis=0), E - 1)
+
+
+@gluon.jit
+def _sm90_tiles(ends_ptr, M, N, E):
+    """``(live_m, num_m, num_n)``: M tiles before the last group end, all M tiles, N tiles."""
+    num_m = gl.cdiv(M, _SM90_BLOCK)
+    live_m = gl.minimum(gl.cdiv(gl.load(ends_ptr + E - 1), _SM90_BLOCK), num_m)
+    return live_m, num_m, N // _SM90_BLOCK
+
+
+@gluon.jit
+def _sm90_producer(E_POW2: gl.constexpr, GROUP_M: gl.constexpr, a_desc, b_desc, ring, problem):
+    """One warp: TMA loads of the A and B tiles of every K block of every live tile into the ring."""
+    a_bufs, b_bufs, ready, empty = ring
+    ends_ptr, M, N, K, E = problem
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E)
+    it = 0
+    for tile in range(gl.program_id(0), live_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _sm90_tile(tile, live_m, num_n, GROUP_M)
+        e = _sm90_expert_of_row(ends_ptr, pid_m * _SM90_BLOCK, E, E_POW2, 1)
+        for kb in range(K // _SM90_BLOCK):
+            s = it % STAGES
+            # Slot s is free once both consumers released its previous use (first pass: free).
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            _tma_load(a_desc, [pid_m * _SM90_BLOCK, kb * _SM90_BLOCK], ready.index(s), a_bufs.index(s))
+            _tma_load(b_desc, [e * N + pid_n * _SM90_BLOCK, kb * _SM90_BLOCK], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _sm90_issue(a_bufs, b_bufs, ready, it, zero, WG: gl.constexpr):
+    """Wait for ring slot ``it % STAGES`` and start (asynchronously) this warpgroup's MMA of its
+    64 rows by the slot's 128 weight rows over one 128-wide K block; returns the MMA's token."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    a = a_bufs.index(s).slice(WG * _WG_ROWS, _WG_ROWS)
+    return warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _sm90_consumer(WG: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr, ring, out, scales, problem):
+    """One warpgroup: rows ``[64 WG, 64 WG + 64)`` of every tile -- MMA, promotion, TMA store."""
+    a_bufs, b_bufs, ready, empty = ring
+    out_desc, out_bufs = out
+    a_scale_ptr, stride_as, b_scale_ptr = scales
+    ends_ptr, M, N, K, E = problem
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _SM90_BLOCK, 32]
+    )
+    out_s = out_bufs.index(WG)
+    live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E)
+    k_blocks = K // _SM90_BLOCK
+    zero = gl.zeros([_WG_ROWS, _SM90_BLOCK], gl.float32, mma)
+    it = 0
+    for tile in range(gl.program_id(0), live_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _sm90_tile(tile, live_m, num_n, GROUP_M)
+        e = _sm90_expert_of_row(ends_ptr, pid_m * _SM90_BLOCK, E, E_POW2, 4)
+        m0 = pid_m * _SM90_BLOCK + WG * _WG_ROWS
+        rows = m0 + gl.arange(0, _WG_ROWS, layout=gl.SliceLayout(1, mma))
+        sa_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_as
+        sb_ptr = b_scale_ptr + (e.to(gl.int64) * num_n + pid_n) * k_blocks
+        # Row mask: only unvalidated, malformed offsets (a last end past M) can put rows past M here.
+        sa = gl.load(sa_ptrs, mask=rows < M, other=0.0)
+        sb = gl.load(sb_ptr)
+        acc = zero
+        for kb in range(k_blocks):
+            part = _sm90_issue(a_bufs, b_bufs, ready, it, zero, WG)
+            # The next block's scales load while this block multiplies (clamped on the last block).
+            nxt = gl.minimum(kb + 1, k_blocks - 1)
+            sa_next = gl.load(sa_ptrs + nxt, mask=rows < M, other=0.0)
+            sb_next = gl.load(sb_ptr + nxt)
+            part = warpgroup_mma_wait(0, deps=(part,))
+            mbarrier.arrive(empty.index(it % STAGES), count=1)
+            acc = part * (sa * sb)[:, None] + acc
+            sa = sa_next
+            sb = sb_next
+            it += 1
+        tma.store_wait(0)  # the previous tile's store has left out_s
+        out_s.store(acc.to(out_desc.dtype))
+        fence_async_shared()
+        _tma_store(out_desc, [m0, pid_n * _SM90_BLOCK], out_s)
+    # Tiles at or past the last group end: zeros, so the whole output is defined; nothing is read.
+    zeros = gl.zeros([_WG_ROWS, _SM90_BLOCK], out_desc.dtype, mma)
+    for tile in range(live_m * num_n + gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        tma.store_wait(0)
+        out_s.store(zeros)
+        fence_async_shared()
+        _tma_store(out_desc, [(tile // num_n) * _SM90_BLOCK + WG * _WG_ROWS, (tile % num_n) * _SM90_BLOCK], out_s)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _grouped_gemm_fp8_blockwise_sm90_kernel(
+    a_desc,
+    b_desc,
+    out_desc,
+    a_scale_ptr,
+    stride_as,
+    b_scale_ptr,
+    ends_ptr,
+    M,
+    N,
+    K,
+    E,
+    E_POW2: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Warp-specialized persistent blockwise FP8 grouped GEMM (Hopper).
+
+    a_desc: ``[M, K]`` E4M3 rows, 128x128 boxes; b_desc: ``[E * N, K]`` E4M3 (the ``[E, N, K]``
+    weights flattened), 128x128 boxes; out_desc: ``[M, N]``, 64x128 boxes (one per consumer);
+    a_scale ``[M, K/128]`` (row stride ``stride_as``), b_scale ``[E, N/128, K/128]`` contiguous,
+    ends ``[E]`` int32. Partitions: two consumer warpgroups (the default one and a worker, 232
+    registers each) and one producer warp (40 registers).
+    """
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    ring = (a_bufs, b_bufs, ready, empty)
+    problem = (ends_ptr, M, N, K, E)
+    scales = (a_scale_ptr, stride_as, b_scale_ptr)
+    out = (out_desc, out_bufs)
+    gl.warp_specialize(
+        [
+            (_sm90_consumer, (0, E_POW2, GROUP_M, ring, out, scales, problem)),
+            (_sm90_consumer, (1, E_POW2, GROUP_M, ring, out, scales, problem)),
+            (_sm90_producer, (E_POW2, GROUP_M, a_desc, b_desc, ring, problem)),
+        ],
+        [4, 1],
+        [232, 40],
+    )
+
+
+def sm90_supported(device: torch.device) -> bool:
+    """True on a Hopper GPU (compute capability 9.x), where the sm90 kernel's wgmma exists."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def sm90_default_config(out_dtype: torch.dtype) -> Sm90Config:
+    """The config the op runs with: no timing at run time, so no re-tuning when M changes."""
+    return SM90_CONFIGS[0]
+
+
+@functools.cache
+def _nvmma_layout(shape: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(shape), gl_dtype)
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _nvmma_layout(block, t.dtype))
+
+
+def launch_grouped_gemm_fp8_blockwise_sm90(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: Sm90Config | None = None,
+) -> torch.Tensor:
+    """Gluon launcher (Hopper GPUs only). Same contract as :func:`grouped_gemm_fp8_blockwise`.
+
+    ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_default_config`.
+    """
+    config = config or sm90_default_config(out_dtype)
+    if config.smem_bytes(out_dtype) > SM90_SMEM_BYTES:
+        raise ValueError(
+            f"{config} needs {config.smem_bytes(out_dtype)} bytes of shared memory with {out_dtype} out, "
+            f"more than Hopper's {SM90_SMEM_BYTES}"
+        )
+    if not sm90_supported(a.device):
+        raise RuntimeError(f"the sm90 grouped GEMM needs a Hopper GPU (compute capability 9.x), got {a.device}")
+    out, (m, n, k, e) = _output_and_dims(a, b, out_dtype)
+    if m == 0:
+        return out
+    tiles = triton.cdiv(m, BLOCK) * (n // BLOCK)
+    _grouped_gemm_fp8_blockwise_sm90_kernel[(min(tiles, sm_count(a.device)),)](
+        _descriptor(a, (BLOCK, BLOCK)),
+        _descriptor(b.view(e * n, k), (BLOCK, BLOCK)),
+        _descriptor(out, (64, BLOCK)),
+        a_scale,
+        a_scale.stride(0),
+        b_scale,
+        group_end_offsets,
+        m,
+        n,
+        k,
+        e,
+        E_POW2=triton.next_power_of_2(e),
+        GROUP_M=config.group_m,
+        STAGES=config.stages,
+        num_warps=4,
+    )
+    return out
+
+
+_GL_DTYPE_NAMES = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def build_sm90_kernel(config: Sm90Config, out_dtype: torch.dtype, num_experts: int) -> triton.compiler.CompiledKernel:
+    """Compile the sm90 kernel for sm_90a without a GPU (Triton's bundled ptxas): a build check, and
+    the cubin and SASS for inspection (``.asm["cubin"]``). Same specialization as a launch."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(block: tuple[int, int], dtype: torch.dtype) -> str:
+        return f"tensordesc<{_GL_DTYPE_NAMES[dtype]}[{block[0]}, {block[1]}],{_nvmma_layout(block, dtype)!r}>"
+
+    fp8 = torch.float8_e4m3fn
+    signature = {
+        "a_desc": desc((BLOCK, BLOCK), fp8),
+        "b_desc": desc((BLOCK, BLOCK), fp8),
+        "out_desc": desc((64, BLOCK), out_dtype),
+        "a_scale_ptr": "*fp32",
+        "stride_as": "i32",
+        "b_scale_ptr": "*fp32",
+        "ends_ptr": "*i32",
+        **dict.fromkeys(("M", "N", "K", "E"), "i32"),
+        **dict.fromkeys(("E_POW2", "GROUP_M", "STAGES"), "constexpr"),
+    }
+    constexprs = {
+        "E_POW2": triton.next_power_of_2(num_experts),
+        "GROUP_M": config.group_m,
+        "STAGES": config.stages,
+    }
+    source = GluonASTSource(_grouped_gemm_fp8_blockwise_sm90_kernel, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def launch_grouped_gemm_fp8_blockwise(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The op's CUDA kernel: the sm90 Gluon kernel on Hopper, the Triton kernel on other GPUs."""
+    launcher = (
+        launch_grouped_gemm_fp8_blockwise_sm90 if sm90_supported(a.device) else launch_grouped_gemm_fp8_blockwise_triton
+    )
+    return launcher(a, a_scale, b, b_scale, group_end_offsets, out_dtype)
 
 
 def _expert_of_rows(group_end_offsets: torch.Tensor, m: int) -> torch.Tensor:
