@@ -185,7 +185,7 @@ def test_every_config(launcher, config, out_dtype):
     tiles per program (so the persistent loop and the TMA ring wrap around)."""
     counts = [300, 0, 1000, 129, 640, 0, 17, 900, 4100, 0, 2000, 128]
     a, a_scale, offsets = make_rows(counts, 1024, extra_rows=200)
-    b, b_scale = make_weights(len(counts), 384, 1024)
+    b, b_scale = make_weights(len(counts), 512, 1024)
     if isinstance(config, Sm90Config) and config.smem_bytes(out_dtype) > mod.SM90_SMEM_BYTES:
         pytest.skip(f"{config} does not fit with {out_dtype} out")
     out = launcher(a, a_scale, b, b_scale, offsets, out_dtype, config=config)
@@ -222,11 +222,23 @@ def test_sm90_kernel_builds_for_hopper():
         assert shared <= mod.SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
 
 
-def test_sm90_refuses_configs_that_do_not_fit():
+@pytest.mark.parametrize(
+    ("n", "config", "match"),
+    [(128, Sm90Config(stages=7), "shared memory"), (384, Sm90Config(256, 3), "divide N"), (256, Sm90Config(64), "128")],
+)
+def test_sm90_refuses_bad_configs(n, config, match):
     a, a_scale, offsets = make_rows([128], 128)
-    b, b_scale = make_weights(1, 128, 128)
-    with pytest.raises(ValueError, match="shared memory"):
-        launch_grouped_gemm_fp8_blockwise_sm90(a, a_scale, b, b_scale, offsets, torch.float32, Sm90Config(stages=7))
+    b, b_scale = make_weights(1, n, 128)
+    with pytest.raises(ValueError, match=match):
+        launch_grouped_gemm_fp8_blockwise_sm90(a, a_scale, b, b_scale, offsets, torch.float32, config)
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_sm90_default_config_fits_and_prefers_wide_tiles(out_dtype):
+    for n in (128, 384, 256, 7168):
+        config = mod.sm90_default_config(n, out_dtype)
+        assert n % config.block_n == 0 and config.smem_bytes(out_dtype) <= mod.SM90_SMEM_BYTES
+        assert config.block_n == (256 if n % 256 == 0 else 128)
 
 
 @pytest.mark.skipif(conftest.IS_HOPPER, reason="checks the refusal off Hopper")

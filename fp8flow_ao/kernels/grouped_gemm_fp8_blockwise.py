@@ -214,24 +214,26 @@ SM90_SMEM_BYTES = 227 * 1024
 
 @dataclass(frozen=True)
 class Sm90Config:
-    """Launch settings of the sm90 kernel: ``stages`` operand slots in the TMA ring, ``group_m``
-    M tiles walked together (L2 reuse of the weight tiles)."""
+    """Launch settings of the sm90 kernel: tiles of 128 rows x ``block_n`` (128 or 256) columns,
+    ``stages`` operand slots in the TMA ring, ``group_m`` M tiles walked together (L2 reuse of the
+    weight tiles)."""
 
+    block_n: int = 128
     stages: int = 4
     group_m: int = 8
 
     def smem_bytes(self, out_dtype: torch.dtype) -> int:
         """Shared memory of one CTA: the operand ring plus two 64x128 output staging tiles."""
         out_bytes = 2 * 64 * BLOCK * torch.empty((), dtype=out_dtype).element_size()
-        return self.stages * 2 * BLOCK * BLOCK + out_bytes
+        return self.stages * (BLOCK + self.block_n) * BLOCK + out_bytes
 
 
-# Measured on an H200 (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md).
+# Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200).
 SM90_CONFIGS = [
-    Sm90Config(4, 8),
-    Sm90Config(5, 8),
-    Sm90Config(3, 8),
-    Sm90Config(4, 16),
+    Sm90Config(128, 4, 8),
+    Sm90Config(256, 3, 8),
+    Sm90Config(256, 4, 8),
+    Sm90Config(256, 3, 16),
 ]
 
 
@@ -253,11 +255,11 @@ def _sm90_expert_of_row(ends_ptr, row, E, E_POW2: gl.constexpr, WARPS: gl.conste
 
 
 @gluon.jit
-def _sm90_tiles(ends_ptr, M, N, E):
+def _sm90_tiles(ends_ptr, M, N, E, BLOCK_N: gl.constexpr):
     """``(live_m, num_m, num_n)``: M tiles before the last group end, all M tiles, N tiles."""
     num_m = gl.cdiv(M, _SM90_BLOCK)
     live_m = gl.minimum(gl.cdiv(gl.load(ends_ptr + E - 1), _SM90_BLOCK), num_m)
-    return live_m, num_m, N // _SM90_BLOCK
+    return live_m, num_m, N // BLOCK_N
 
 
 @gluon.jit
@@ -266,7 +268,8 @@ def _sm90_producer(E_POW2: gl.constexpr, GROUP_M: gl.constexpr, a_desc, b_desc, 
     a_bufs, b_bufs, ready, empty = ring
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E)
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E, BLOCK_N)
     it = 0
     for tile in range(gl.program_id(0), live_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = _sm90_tile(tile, live_m, num_n, GROUP_M)
@@ -277,36 +280,48 @@ def _sm90_producer(E_POW2: gl.constexpr, GROUP_M: gl.constexpr, a_desc, b_desc, 
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             _tma_load(a_desc, [pid_m * _SM90_BLOCK, kb * _SM90_BLOCK], ready.index(s), a_bufs.index(s))
-            _tma_load(b_desc, [e * N + pid_n * _SM90_BLOCK, kb * _SM90_BLOCK], ready.index(s), b_bufs.index(s))
+            _tma_load(b_desc, [e * N + pid_n * BLOCK_N, kb * _SM90_BLOCK], ready.index(s), b_bufs.index(s))
             it += 1
 
 
 @gluon.jit
-def _sm90_issue(a_bufs, b_bufs, ready, it, zero, WG: gl.constexpr):
-    """Wait for ring slot ``it % STAGES`` and start (asynchronously) this warpgroup's MMA of its
-    64 rows by the slot's 128 weight rows over one 128-wide K block; returns the MMA's token."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+def _sm90_mma(a_bufs, b_bufs, s, layout: gl.constexpr, WG: gl.constexpr, HALF: gl.constexpr):
+    """Start (asynchronously) the MMA of this warpgroup's 64 rows of ring slot ``s``'s A tile by the
+    128 weight rows ``[128 HALF, 128 HALF + 128)`` of its B tile, over one 128-wide K block."""
     a = a_bufs.index(s).slice(WG * _WG_ROWS, _WG_ROWS)
-    return warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    b = b_bufs.index(s).slice(HALF * _SM90_BLOCK, _SM90_BLOCK).permute((1, 0))
+    # use_acc=False: the accumulator operand is a placeholder (no zeros are held across the loop).
+    return warpgroup_mma(a, b, gl.zeros([_WG_ROWS, _SM90_BLOCK], gl.float32, layout), use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _sm90_store(out_desc, out_s, tile, row, col):
+    """TMA-store a 64x128 tile through this warpgroup's staging buffer (after its previous store left)."""
+    tma.store_wait(0)
+    out_s.store(tile.to(out_desc.dtype))
+    fence_async_shared()
+    _tma_store(out_desc, [row, col], out_s)
 
 
 @gluon.jit
 def _sm90_consumer(WG: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr, ring, out, scales, problem):
-    """One warpgroup: rows ``[64 WG, 64 WG + 64)`` of every tile -- MMA, promotion, TMA store."""
+    """One warpgroup: rows ``[64 WG, 64 WG + 64)`` of every tile -- MMAs, promotion, TMA stores.
+
+    A 128x256 tile is computed as two 128-column halves, one after the other (two 64x128 fp32
+    accumulators plus one partial: 192 registers; a single 64x256 partial would not fit)."""
     a_bufs, b_bufs, ready, empty = ring
     out_desc, out_bufs = out
     a_scale_ptr, stride_as, b_scale_ptr = scales
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    HALVES: gl.constexpr = BLOCK_N // _SM90_BLOCK
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _SM90_BLOCK, 32]
     )
     out_s = out_bufs.index(WG)
-    live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E)
+    live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E, BLOCK_N)
     k_blocks = K // _SM90_BLOCK
-    zero = gl.zeros([_WG_ROWS, _SM90_BLOCK], gl.float32, mma)
     it = 0
     for tile in range(gl.program_id(0), live_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = _sm90_tile(tile, live_m, num_n, GROUP_M)
@@ -314,34 +329,46 @@ def _sm90_consumer(WG: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr
         m0 = pid_m * _SM90_BLOCK + WG * _WG_ROWS
         rows = m0 + gl.arange(0, _WG_ROWS, layout=gl.SliceLayout(1, mma))
         sa_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_as
-        sb_ptr = b_scale_ptr + (e.to(gl.int64) * num_n + pid_n) * k_blocks
+        sb_ptr0 = b_scale_ptr + (e.to(gl.int64) * (N // _SM90_BLOCK) + pid_n * HALVES) * k_blocks
+        sb_ptr1 = sb_ptr0 + (HALVES - 1) * k_blocks
         # Row mask: only unvalidated, malformed offsets (a last end past M) can put rows past M here.
         sa = gl.load(sa_ptrs, mask=rows < M, other=0.0)
-        sb = gl.load(sb_ptr)
-        acc = zero
+        sb0 = gl.load(sb_ptr0)
+        sb1 = gl.load(sb_ptr1)
+        acc0 = gl.zeros([_WG_ROWS, _SM90_BLOCK], gl.float32, mma)
+        acc1 = gl.zeros([_WG_ROWS, _SM90_BLOCK], gl.float32, mma)
         for kb in range(k_blocks):
-            part = _sm90_issue(a_bufs, b_bufs, ready, it, zero, WG)
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            part = _sm90_mma(a_bufs, b_bufs, s, mma, WG, 0)
             # The next block's scales load while this block multiplies (clamped on the last block).
             nxt = gl.minimum(kb + 1, k_blocks - 1)
             sa_next = gl.load(sa_ptrs + nxt, mask=rows < M, other=0.0)
-            sb_next = gl.load(sb_ptr + nxt)
+            sb0_next = gl.load(sb_ptr0 + nxt)
+            sb1_next = gl.load(sb_ptr1 + nxt)
             part = warpgroup_mma_wait(0, deps=(part,))
-            mbarrier.arrive(empty.index(it % STAGES), count=1)
-            acc = part * (sa * sb)[:, None] + acc
+            if HALVES == 1:
+                mbarrier.arrive(empty.index(s), count=1)
+            acc0 = part * (sa * sb0)[:, None] + acc0
+            if HALVES == 2:
+                acc0 = warpgroup_mma_wait(0, deps=(acc0,))
+                part = _sm90_mma(a_bufs, b_bufs, s, mma, WG, 1)
+                part = warpgroup_mma_wait(0, deps=(part,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc1 = part * (sa * sb1)[:, None] + acc1
             sa = sa_next
-            sb = sb_next
+            sb0 = sb0_next
+            sb1 = sb1_next
             it += 1
-        tma.store_wait(0)  # the previous tile's store has left out_s
-        out_s.store(acc.to(out_desc.dtype))
-        fence_async_shared()
-        _tma_store(out_desc, [m0, pid_n * _SM90_BLOCK], out_s)
+        _sm90_store(out_desc, out_s, acc0, m0, pid_n * BLOCK_N)
+        if HALVES == 2:
+            _sm90_store(out_desc, out_s, acc1, m0, pid_n * BLOCK_N + _SM90_BLOCK)
     # Tiles at or past the last group end: zeros, so the whole output is defined; nothing is read.
-    zeros = gl.zeros([_WG_ROWS, _SM90_BLOCK], out_desc.dtype, mma)
+    zero = gl.zeros([_WG_ROWS, _SM90_BLOCK], out_desc.dtype, mma)
     for tile in range(live_m * num_n + gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        tma.store_wait(0)
-        out_s.store(zeros)
-        fence_async_shared()
-        _tma_store(out_desc, [(tile // num_n) * _SM90_BLOCK + WG * _WG_ROWS, (tile % num_n) * _SM90_BLOCK], out_s)
+        for half in gl.static_range(HALVES):
+            col = (tile % num_n) * BLOCK_N + half * _SM90_BLOCK
+            _sm90_store(out_desc, out_s, zero, (tile // num_n) * _SM90_BLOCK + WG * _WG_ROWS, col)
     tma.store_wait(0)
 
 
@@ -398,9 +425,16 @@ def sm90_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def sm90_default_config(out_dtype: torch.dtype) -> Sm90Config:
-    """The config the op runs with: no timing at run time, so no re-tuning when M changes."""
-    return SM90_CONFIGS[0]
+def sm90_default_config(n: int, out_dtype: torch.dtype) -> Sm90Config:
+    """The config the op runs with for ``N`` output columns: a fixed rule from the sweep, no timing at
+    run time (so nothing re-tunes when routing changes M): 128x256 tiles where N allows, with as many
+    ring stages as fit."""
+    block_n = 256 if n % 256 == 0 else 128
+    for stages in (4, 3, 2):
+        config = Sm90Config(block_n, stages)
+        if config.smem_bytes(out_dtype) <= SM90_SMEM_BYTES:
+            return config
+    raise AssertionError("unreachable: two stages always fit")
 
 
 @functools.cache
@@ -426,7 +460,9 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
 
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_default_config`.
     """
-    config = config or sm90_default_config(out_dtype)
+    config = config or sm90_default_config(b.shape[1], out_dtype)
+    if config.block_n not in (128, 256) or b.shape[1] % config.block_n:
+        raise ValueError(f"{config}: block_n must be 128 or 256 and divide N = {b.shape[1]}")
     if config.smem_bytes(out_dtype) > SM90_SMEM_BYTES:
         raise ValueError(
             f"{config} needs {config.smem_bytes(out_dtype)} bytes of shared memory with {out_dtype} out, "
@@ -437,10 +473,10 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
     out, (m, n, k, e) = _output_and_dims(a, b, out_dtype)
     if m == 0:
         return out
-    tiles = triton.cdiv(m, BLOCK) * (n // BLOCK)
+    tiles = triton.cdiv(m, BLOCK) * (n // config.block_n)
     _grouped_gemm_fp8_blockwise_sm90_kernel[(min(tiles, sm_count(a.device)),)](
         _descriptor(a, (BLOCK, BLOCK)),
-        _descriptor(b.view(e * n, k), (BLOCK, BLOCK)),
+        _descriptor(b.view(e * n, k), (config.block_n, BLOCK)),
         _descriptor(out, (64, BLOCK)),
         a_scale,
         a_scale.stride(0),
@@ -473,7 +509,7 @@ def build_sm90_kernel(config: Sm90Config, out_dtype: torch.dtype, num_experts: i
     fp8 = torch.float8_e4m3fn
     signature = {
         "a_desc": desc((BLOCK, BLOCK), fp8),
-        "b_desc": desc((BLOCK, BLOCK), fp8),
+        "b_desc": desc((config.block_n, BLOCK), fp8),
         "out_desc": desc((64, BLOCK), out_dtype),
         "a_scale_ptr": "*fp32",
         "stride_as": "i32",
