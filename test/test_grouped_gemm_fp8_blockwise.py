@@ -19,6 +19,7 @@ from fp8_helpers import padded_ends
 from fp8flow_ao._format import BLOCK, quantize_rows_reference
 from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as mod
 from fp8flow_ao.kernels._grouped_gemm_common import AUTOTUNE_KEY
+from fp8flow_ao.kernels._sm90_common import SM90_SMEM_BYTES
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import (
     OUT_DTYPES,
     Sm90Config,
@@ -186,7 +187,7 @@ def test_every_config(launcher, config, out_dtype):
     counts = [300, 0, 1000, 129, 640, 0, 17, 900, 4100, 0, 2000, 128]
     a, a_scale, offsets = make_rows(counts, 1024, extra_rows=200)
     b, b_scale = make_weights(len(counts), 512, 1024)
-    if isinstance(config, Sm90Config) and config.smem_bytes(out_dtype) > mod.SM90_SMEM_BYTES:
+    if isinstance(config, Sm90Config) and config.smem_bytes(out_dtype) > SM90_SMEM_BYTES:
         pytest.skip(f"{config} does not fit with {out_dtype} out")
     out = launcher(a, a_scale, b, b_scale, offsets, out_dtype, config=config)
     check(out, a, a_scale, b, b_scale, offsets, out_dtype)
@@ -194,11 +195,11 @@ def test_every_config(launcher, config, out_dtype):
 
 _BUILD_EVERY_SM90_CONFIG = """
 import json, torch
-from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as mod
+from fp8flow_ao.kernels import _sm90_common as common, grouped_gemm_fp8_blockwise as mod
 built = []
 for config in mod.SM90_CONFIGS:
     for out_dtype in (torch.bfloat16, torch.float32):
-        if config.smem_bytes(out_dtype) <= mod.SM90_SMEM_BYTES:
+        if config.smem_bytes(out_dtype) <= common.SM90_SMEM_BYTES:
             kernel = mod.build_sm90_kernel(config, out_dtype, num_experts=8)
             built.append([str(config), str(out_dtype), kernel.metadata.shared, len(kernel.asm["cubin"])])
 print(json.dumps(built))
@@ -216,10 +217,10 @@ def test_sm90_kernel_builds_for_hopper():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
-    fitting = [c for c in mod.SM90_CONFIGS for d in OUT_DTYPES if c.smem_bytes(d) <= mod.SM90_SMEM_BYTES]
+    fitting = [c for c in mod.SM90_CONFIGS for d in OUT_DTYPES if c.smem_bytes(d) <= SM90_SMEM_BYTES]
     assert len(built) == len(fitting) >= len(mod.SM90_CONFIGS)
     for config, out_dtype, shared, cubin_bytes in built:
-        assert shared <= mod.SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
+        assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
 
 
 @pytest.mark.parametrize(
@@ -237,15 +238,15 @@ def test_sm90_refuses_bad_configs(n, config, match):
 def test_sm90_default_config_fits_and_prefers_wide_tiles(out_dtype):
     for n in (128, 384, 256, 7168):
         config = mod.sm90_default_config(n, out_dtype)
-        assert n % config.block_n == 0 and config.smem_bytes(out_dtype) <= mod.SM90_SMEM_BYTES
-        assert config.block_n == (256 if n % 256 == 0 else 128)
+        assert n % config.block_n == 0 and config.smem_bytes(out_dtype) <= SM90_SMEM_BYTES
+        assert config.block_n == (256 if n % 256 == 0 else 128) and config in mod.SM90_CONFIGS
 
 
 @pytest.mark.skipif(conftest.IS_HOPPER, reason="checks the refusal off Hopper")
 def test_sm90_refuses_other_devices():
     a, a_scale, offsets = make_rows([128], 128)
     b, b_scale = make_weights(1, 128, 128)
-    with pytest.raises(RuntimeError, match="needs a Hopper GPU"):
+    with pytest.raises(RuntimeError, match="need a Hopper GPU"):
         launch_grouped_gemm_fp8_blockwise_sm90(a, a_scale, b, b_scale, offsets)
 
 

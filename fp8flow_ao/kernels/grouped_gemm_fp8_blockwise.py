@@ -24,22 +24,14 @@ or past the last group end read nothing and store zeros, so the whole output is 
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from fp8flow_ao._checks import (
     check_contiguous,
@@ -64,6 +56,20 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     persistent_grid,
     set_tma_workspace_allocator,
     sm_count,
+)
+from fp8flow_ao.kernels._sm90_common import (
+    SM90_BLOCK,
+    WG_ROWS,
+    Sm90Config,
+    check_sm90_launch,
+    compile_for_sm90,
+    descriptor,
+    descriptor_signature,
+    sm90_mma,
+    sm90_store,
+    sm90_supported,
+    sm90_tile,
+    tma_load,
 )
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -200,50 +206,14 @@ def launch_grouped_gemm_fp8_blockwise_triton(
 # ---------------------------------------------------------------------------------------------
 # sm90: the warp-specialized Gluon kernel.
 
-# Rows of the tile each consumer warpgroup owns: one m64 wgmma row block.
-_WG_ROWS = gl.constexpr(64)
-_SM90_BLOCK = gl.constexpr(BLOCK)  # tile rows = tile columns = K block
-# Triton 3.6 names the TMA copies async_copy_global_to_shared / _shared_to_global; 3.7+ renamed
-# them async_load / async_store and turned the old names into errors. (A constexpr branch inside
-# the kernel does not help: 3.6 resolves every attribute of a kernel's source when hashing it.)
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-# Shared memory one CTA may use on Hopper (227 KiB), for the stage-count check.
-SM90_SMEM_BYTES = 227 * 1024
-
-
-@dataclass(frozen=True)
-class Sm90Config:
-    """Launch settings of the sm90 kernel: tiles of 128 rows x ``block_n`` (128 or 256) columns,
-    ``stages`` operand slots in the TMA ring, ``group_m`` M tiles walked together (L2 reuse of the
-    weight tiles)."""
-
-    block_n: int = 128
-    stages: int = 4
-    group_m: int = 8
-
-    def smem_bytes(self, out_dtype: torch.dtype) -> int:
-        """Shared memory of one CTA: the operand ring plus two 64x128 output staging tiles."""
-        out_bytes = 2 * 64 * BLOCK * torch.empty((), dtype=out_dtype).element_size()
-        return self.stages * (BLOCK + self.block_n) * BLOCK + out_bytes
-
-
-# Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200).
+# Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200); the first two
+# are the defaults (sm90_default_config).
 SM90_CONFIGS = [
+    Sm90Config(256, 3, 16),
     Sm90Config(128, 4, 8),
     Sm90Config(256, 3, 8),
     Sm90Config(256, 4, 8),
-    Sm90Config(256, 3, 16),
 ]
-
-
-@gluon.jit
-def _sm90_tile(tile, num_m, num_n, GROUP_M: gl.constexpr):
-    """Tile index -> ``(pid_m, pid_n)``, ``GROUP_M`` rows of tiles together (as :func:`grouped_tile`)."""
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    rows_in_group = gl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % rows_in_group, (tile % per_group) // rows_in_group
 
 
 @gluon.jit
@@ -257,8 +227,8 @@ def _sm90_expert_of_row(ends_ptr, row, E, E_POW2: gl.constexpr, WARPS: gl.conste
 @gluon.jit
 def _sm90_tiles(ends_ptr, M, N, E, BLOCK_N: gl.constexpr):
     """``(live_m, num_m, num_n)``: M tiles before the last group end, all M tiles, N tiles."""
-    num_m = gl.cdiv(M, _SM90_BLOCK)
-    live_m = gl.minimum(gl.cdiv(gl.load(ends_ptr + E - 1), _SM90_BLOCK), num_m)
+    num_m = gl.cdiv(M, SM90_BLOCK)
+    live_m = gl.minimum(gl.cdiv(gl.load(ends_ptr + E - 1), SM90_BLOCK), num_m)
     return live_m, num_m, N // BLOCK_N
 
 
@@ -272,35 +242,16 @@ def _sm90_producer(E_POW2: gl.constexpr, GROUP_M: gl.constexpr, a_desc, b_desc, 
     live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E, BLOCK_N)
     it = 0
     for tile in range(gl.program_id(0), live_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _sm90_tile(tile, live_m, num_n, GROUP_M)
-        e = _sm90_expert_of_row(ends_ptr, pid_m * _SM90_BLOCK, E, E_POW2, 1)
-        for kb in range(K // _SM90_BLOCK):
+        pid_m, pid_n = sm90_tile(tile, live_m, num_n, GROUP_M)
+        e = _sm90_expert_of_row(ends_ptr, pid_m * SM90_BLOCK, E, E_POW2, 1)
+        for kb in range(K // SM90_BLOCK):
             s = it % STAGES
             # Slot s is free once both consumers released its previous use (first pass: free).
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [pid_m * _SM90_BLOCK, kb * _SM90_BLOCK], ready.index(s), a_bufs.index(s))
-            _tma_load(b_desc, [e * N + pid_n * BLOCK_N, kb * _SM90_BLOCK], ready.index(s), b_bufs.index(s))
+            tma_load(a_desc, [pid_m * SM90_BLOCK, kb * SM90_BLOCK], ready.index(s), a_bufs.index(s))
+            tma_load(b_desc, [e * N + pid_n * BLOCK_N, kb * SM90_BLOCK], ready.index(s), b_bufs.index(s))
             it += 1
-
-
-@gluon.jit
-def _sm90_mma(a_bufs, b_bufs, s, layout: gl.constexpr, WG: gl.constexpr, HALF: gl.constexpr):
-    """Start (asynchronously) the MMA of this warpgroup's 64 rows of ring slot ``s``'s A tile by the
-    128 weight rows ``[128 HALF, 128 HALF + 128)`` of its B tile, over one 128-wide K block."""
-    a = a_bufs.index(s).slice(WG * _WG_ROWS, _WG_ROWS)
-    b = b_bufs.index(s).slice(HALF * _SM90_BLOCK, _SM90_BLOCK).permute((1, 0))
-    # use_acc=False: the accumulator operand is a placeholder (no zeros are held across the loop).
-    return warpgroup_mma(a, b, gl.zeros([_WG_ROWS, _SM90_BLOCK], gl.float32, layout), use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _sm90_store(out_desc, out_s, tile, row, col):
-    """TMA-store a 64x128 tile through this warpgroup's staging buffer (after its previous store left)."""
-    tma.store_wait(0)
-    out_s.store(tile.to(out_desc.dtype))
-    fence_async_shared()
-    _tma_store(out_desc, [row, col], out_s)
 
 
 @gluon.jit
@@ -315,32 +266,32 @@ def _sm90_consumer(WG: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    HALVES: gl.constexpr = BLOCK_N // _SM90_BLOCK
+    HALVES: gl.constexpr = BLOCK_N // SM90_BLOCK
     mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _SM90_BLOCK, 32]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SM90_BLOCK, 32]
     )
     out_s = out_bufs.index(WG)
     live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E, BLOCK_N)
-    k_blocks = K // _SM90_BLOCK
+    k_blocks = K // SM90_BLOCK
     it = 0
     for tile in range(gl.program_id(0), live_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _sm90_tile(tile, live_m, num_n, GROUP_M)
-        e = _sm90_expert_of_row(ends_ptr, pid_m * _SM90_BLOCK, E, E_POW2, 4)
-        m0 = pid_m * _SM90_BLOCK + WG * _WG_ROWS
-        rows = m0 + gl.arange(0, _WG_ROWS, layout=gl.SliceLayout(1, mma))
+        pid_m, pid_n = sm90_tile(tile, live_m, num_n, GROUP_M)
+        e = _sm90_expert_of_row(ends_ptr, pid_m * SM90_BLOCK, E, E_POW2, 4)
+        m0 = pid_m * SM90_BLOCK + WG * WG_ROWS
+        rows = m0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, mma))
         sa_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_as
-        sb_ptr0 = b_scale_ptr + (e.to(gl.int64) * (N // _SM90_BLOCK) + pid_n * HALVES) * k_blocks
+        sb_ptr0 = b_scale_ptr + (e.to(gl.int64) * (N // SM90_BLOCK) + pid_n * HALVES) * k_blocks
         sb_ptr1 = sb_ptr0 + (HALVES - 1) * k_blocks
         # Row mask: only unvalidated, malformed offsets (a last end past M) can put rows past M here.
         sa = gl.load(sa_ptrs, mask=rows < M, other=0.0)
         sb0 = gl.load(sb_ptr0)
         sb1 = gl.load(sb_ptr1)
-        acc0 = gl.zeros([_WG_ROWS, _SM90_BLOCK], gl.float32, mma)
-        acc1 = gl.zeros([_WG_ROWS, _SM90_BLOCK], gl.float32, mma)
+        acc0 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
+        acc1 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
         for kb in range(k_blocks):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            part = _sm90_mma(a_bufs, b_bufs, s, mma, WG, 0)
+            part = sm90_mma(a_bufs, b_bufs, s, mma, WG, 0)
             # The next block's scales load while this block multiplies (clamped on the last block).
             nxt = gl.minimum(kb + 1, k_blocks - 1)
             sa_next = gl.load(sa_ptrs + nxt, mask=rows < M, other=0.0)
@@ -352,7 +303,7 @@ def _sm90_consumer(WG: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr
             acc0 = part * (sa * sb0)[:, None] + acc0
             if HALVES == 2:
                 acc0 = warpgroup_mma_wait(0, deps=(acc0,))
-                part = _sm90_mma(a_bufs, b_bufs, s, mma, WG, 1)
+                part = sm90_mma(a_bufs, b_bufs, s, mma, WG, 1)
                 part = warpgroup_mma_wait(0, deps=(part,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = part * (sa * sb1)[:, None] + acc1
@@ -360,15 +311,15 @@ def _sm90_consumer(WG: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr
             sb0 = sb0_next
             sb1 = sb1_next
             it += 1
-        _sm90_store(out_desc, out_s, acc0, m0, pid_n * BLOCK_N)
+        sm90_store(out_desc, out_s, acc0, m0, pid_n * BLOCK_N)
         if HALVES == 2:
-            _sm90_store(out_desc, out_s, acc1, m0, pid_n * BLOCK_N + _SM90_BLOCK)
+            sm90_store(out_desc, out_s, acc1, m0, pid_n * BLOCK_N + SM90_BLOCK)
     # Tiles at or past the last group end: zeros, so the whole output is defined; nothing is read.
-    zero = gl.zeros([_WG_ROWS, _SM90_BLOCK], out_desc.dtype, mma)
+    zero = gl.zeros([WG_ROWS, SM90_BLOCK], out_desc.dtype, mma)
     for tile in range(live_m * num_n + gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         for half in gl.static_range(HALVES):
-            col = (tile % num_n) * BLOCK_N + half * _SM90_BLOCK
-            _sm90_store(out_desc, out_s, zero, (tile // num_n) * _SM90_BLOCK + WG * _WG_ROWS, col)
+            col = (tile % num_n) * BLOCK_N + half * SM90_BLOCK
+            sm90_store(out_desc, out_s, zero, (tile // num_n) * SM90_BLOCK + WG * WG_ROWS, col)
     tma.store_wait(0)
 
 
@@ -420,31 +371,12 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     )
 
 
-def sm90_supported(device: torch.device) -> bool:
-    """True on a Hopper GPU (compute capability 9.x), where the sm90 kernel's wgmma exists."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def sm90_default_config(n: int, out_dtype: torch.dtype) -> Sm90Config:
     """The config the op runs with for ``N`` output columns: a fixed rule from the sweep, no timing at
-    run time (so nothing re-tunes when routing changes M): 128x256 tiles where N allows, with as many
-    ring stages as fit."""
-    block_n = 256 if n % 256 == 0 else 128
-    for stages in (4, 3, 2):
-        config = Sm90Config(block_n, stages)
-        if config.smem_bytes(out_dtype) <= SM90_SMEM_BYTES:
-            return config
-    raise AssertionError("unreachable: two stages always fit")
-
-
-@functools.cache
-def _nvmma_layout(shape: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(shape), gl_dtype)
-
-
-def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _nvmma_layout(block, t.dtype))
+    run time (so nothing re-tunes when routing changes M). 128x256 tiles where N allows (a quarter
+    less L2->SM traffic per FLOP than 128x128: +3-7% on the anchor shapes) with 3 stages (4 measured
+    the same or worse, and 3 leave room for fp32 output); 128x128 tiles otherwise."""
+    return Sm90Config(256, 3, 16) if n % 256 == 0 else Sm90Config(128, 4, 8)
 
 
 def launch_grouped_gemm_fp8_blockwise_sm90(
@@ -461,23 +393,15 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_default_config`.
     """
     config = config or sm90_default_config(b.shape[1], out_dtype)
-    if config.block_n not in (128, 256) or b.shape[1] % config.block_n:
-        raise ValueError(f"{config}: block_n must be 128 or 256 and divide N = {b.shape[1]}")
-    if config.smem_bytes(out_dtype) > SM90_SMEM_BYTES:
-        raise ValueError(
-            f"{config} needs {config.smem_bytes(out_dtype)} bytes of shared memory with {out_dtype} out, "
-            f"more than Hopper's {SM90_SMEM_BYTES}"
-        )
-    if not sm90_supported(a.device):
-        raise RuntimeError(f"the sm90 grouped GEMM needs a Hopper GPU (compute capability 9.x), got {a.device}")
+    check_sm90_launch(a.device, config, b.shape[1], out_dtype)
     out, (m, n, k, e) = _output_and_dims(a, b, out_dtype)
     if m == 0:
         return out
     tiles = triton.cdiv(m, BLOCK) * (n // config.block_n)
     _grouped_gemm_fp8_blockwise_sm90_kernel[(min(tiles, sm_count(a.device)),)](
-        _descriptor(a, (BLOCK, BLOCK)),
-        _descriptor(b.view(e * n, k), (config.block_n, BLOCK)),
-        _descriptor(out, (64, BLOCK)),
+        descriptor(a, (BLOCK, BLOCK)),
+        descriptor(b.view(e * n, k), (config.block_n, BLOCK)),
+        descriptor(out, (64, BLOCK)),
         a_scale,
         a_scale.stride(0),
         b_scale,
@@ -494,23 +418,14 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
     return out
 
 
-_GL_DTYPE_NAMES = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
-def build_sm90_kernel(config: Sm90Config, out_dtype: torch.dtype, num_experts: int) -> triton.compiler.CompiledKernel:
-    """Compile the sm90 kernel for sm_90a without a GPU (Triton's bundled ptxas): a build check, and
-    the cubin and SASS for inspection (``.asm["cubin"]``). Same specialization as a launch."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    def desc(block: tuple[int, int], dtype: torch.dtype) -> str:
-        return f"tensordesc<{_GL_DTYPE_NAMES[dtype]}[{block[0]}, {block[1]}],{_nvmma_layout(block, dtype)!r}>"
-
+def build_sm90_kernel(config: Sm90Config, out_dtype: torch.dtype, num_experts: int) -> Any:
+    """Compile the sm90 kernel for sm_90a without a GPU (see :func:`compile_for_sm90`), with the
+    specialization a launch with ``config``, ``out_dtype`` and ``num_experts`` would have."""
     fp8 = torch.float8_e4m3fn
     signature = {
-        "a_desc": desc((BLOCK, BLOCK), fp8),
-        "b_desc": desc((config.block_n, BLOCK), fp8),
-        "out_desc": desc((64, BLOCK), out_dtype),
+        "a_desc": descriptor_signature((BLOCK, BLOCK), fp8),
+        "b_desc": descriptor_signature((config.block_n, BLOCK), fp8),
+        "out_desc": descriptor_signature((64, BLOCK), out_dtype),
         "a_scale_ptr": "*fp32",
         "stride_as": "i32",
         "b_scale_ptr": "*fp32",
@@ -518,13 +433,8 @@ def build_sm90_kernel(config: Sm90Config, out_dtype: torch.dtype, num_experts: i
         **dict.fromkeys(("M", "N", "K", "E"), "i32"),
         **dict.fromkeys(("E_POW2", "GROUP_M", "STAGES"), "constexpr"),
     }
-    constexprs = {
-        "E_POW2": triton.next_power_of_2(num_experts),
-        "GROUP_M": config.group_m,
-        "STAGES": config.stages,
-    }
-    source = GluonASTSource(_grouped_gemm_fp8_blockwise_sm90_kernel, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    constexprs = {"E_POW2": triton.next_power_of_2(num_experts), "GROUP_M": config.group_m, "STAGES": config.stages}
+    return compile_for_sm90(_grouped_gemm_fp8_blockwise_sm90_kernel, signature, constexprs)
 
 
 def launch_grouped_gemm_fp8_blockwise(

@@ -1,0 +1,128 @@
+"""Pieces shared by the Hopper (sm90) Gluon grouped GEMMs: forward/dgrad and wgrad.
+
+Both kernels are warp-specialized the same way: one producer warp fills a ring of ``stages``
+shared-memory slots by TMA (``ready`` mbarriers), two consumer warpgroups each own 64 rows of the
+128-row tile, multiply with asynchronous wgmma, promote each 128-wide reduction block's partial into
+fp32 accumulators with the block's scales, and release the slot with their own arrival on the
+slot's ``empty`` mbarrier (count 2). No barrier spans both consumers, so one's promotion (FFMAs on
+the CUDA cores) runs under the other's MMAs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma, warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from fp8flow_ao._format import BLOCK
+
+# Rows of the tile each consumer warpgroup owns: one m64 wgmma row block.
+WG_ROWS = gl.constexpr(64)
+SM90_BLOCK = gl.constexpr(BLOCK)  # tile rows, reduction block, output half-tile width
+# Triton 3.6 names the TMA copies async_copy_global_to_shared / _shared_to_global; 3.7+ renamed
+# them async_load / async_store and turned the old names into errors. (A constexpr branch inside
+# the kernel does not help: 3.6 resolves every attribute of a kernel's source when hashing it.)
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# Shared memory one CTA may use on Hopper (227 KiB), for the stage-count check.
+SM90_SMEM_BYTES = 227 * 1024
+_GL_DTYPE_NAMES = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class Sm90Config:
+    """Launch settings of an sm90 kernel: tiles of 128 rows x ``block_n`` (128 or 256) columns,
+    ``stages`` operand slots in the TMA ring, ``group_m`` row tiles walked together (L2 reuse of
+    the other operand's tiles)."""
+
+    block_n: int = 128
+    stages: int = 4
+    group_m: int = 8
+
+    def smem_bytes(self, out_dtype: torch.dtype, scale_bytes_per_stage: int = 0) -> int:
+        """Shared memory of one CTA: the operand ring (plus any scales carried in it) and two
+        64x128 output staging tiles."""
+        out_bytes = 2 * 64 * BLOCK * torch.empty((), dtype=out_dtype).element_size()
+        return self.stages * ((BLOCK + self.block_n) * BLOCK + scale_bytes_per_stage) + out_bytes
+
+
+@gluon.jit
+def sm90_tile(tile, num_m, num_n, GROUP_M: gl.constexpr):
+    """Tile index -> ``(pid_m, pid_n)``, ``GROUP_M`` rows of tiles together (as ``grouped_tile``)."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    rows_in_group = gl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % rows_in_group, (tile % per_group) // rows_in_group
+
+
+@gluon.jit
+def sm90_mma(a_bufs, b_bufs, s, layout: gl.constexpr, WG: gl.constexpr, HALF: gl.constexpr):
+    """Start (asynchronously) the MMA of this warpgroup's 64 rows of ring slot ``s``'s A tile by the
+    128 rows ``[128 HALF, 128 HALF + 128)`` of its B tile, over one 128-wide reduction block."""
+    a = a_bufs.index(s).slice(WG * WG_ROWS, WG_ROWS)
+    b = b_bufs.index(s).slice(HALF * SM90_BLOCK, SM90_BLOCK).permute((1, 0))
+    # use_acc=False: the accumulator operand is a placeholder (no zeros are held across the loop).
+    return warpgroup_mma(a, b, gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, layout), use_acc=False, is_async=True)
+
+
+@gluon.jit
+def sm90_store(out_desc, out_s, tile, row, col):
+    """TMA-store a 64x128 tile through this warpgroup's staging buffer (after its previous store left)."""
+    tma.store_wait(0)
+    out_s.store(tile.to(out_desc.dtype))
+    fence_async_shared()
+    tma_store(out_desc, [row, col], out_s)
+
+
+def sm90_supported(device: torch.device) -> bool:
+    """True on a Hopper GPU (compute capability 9.x), where the sm90 kernels' wgmma exists."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def check_sm90_launch(
+    device: torch.device, config: Sm90Config, n: int, out_dtype: torch.dtype, scale_bytes_per_stage: int = 0
+) -> None:
+    """Clear errors before any launch: a tile width that does not divide ``n``, a ring that does not
+    fit in shared memory, a device without wgmma."""
+    if config.block_n not in (128, 256) or n % config.block_n:
+        raise ValueError(f"{config}: block_n must be 128 or 256 and divide N = {n}")
+    smem = config.smem_bytes(out_dtype, scale_bytes_per_stage)
+    if smem > SM90_SMEM_BYTES:
+        raise ValueError(
+            f"{config} needs {smem} bytes of shared memory with {out_dtype} out, more than Hopper's {SM90_SMEM_BYTES}"
+        )
+    if not sm90_supported(device):
+        raise RuntimeError(f"the sm90 grouped GEMMs need a Hopper GPU (compute capability 9.x), got {device}")
+
+
+@functools.cache
+def _nvmma_layout(shape: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(shape), gl_dtype)
+
+
+def descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
+    """Host TMA descriptor of a 2-D tensor (last dim contiguous) with ``block`` boxes."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _nvmma_layout(block, t.dtype))
+
+
+def descriptor_signature(block: tuple[int, int], dtype: torch.dtype) -> str:
+    """The signature type a launch with ``descriptor(t, block)`` specializes the kernel on."""
+    return f"tensordesc<{_GL_DTYPE_NAMES[dtype]}[{block[0]}, {block[1]}],{_nvmma_layout(block, dtype)!r}>"
+
+
+def compile_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> Any:
+    """Compile a Gluon kernel for sm_90a without a GPU (Triton's bundled ptxas), 4 default warps:
+    a build check, and the cubin and SASS for inspection (``.asm["cubin"]``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    source = GluonASTSource(kernel, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
