@@ -81,35 +81,32 @@ def make_problem(m: int, k: int, n: int, e: int, routing: str) -> dict:
     return p
 
 
-def ours(p: dict, which: str, config=None) -> tuple[Callable, tuple]:
-    """The op's CUDA kernel (sm90 Gluon on Hopper) or, with ``config``, the kernel that config is for."""
+def ours(p: dict, which: str, config=None, kernel: str = "op") -> tuple[Callable, tuple]:
+    """The op's CUDA kernel (sm90 Gluon on Hopper); ``kernel="triton"`` our tl.dot kernel, autotuned;
+    with ``config``, the kernel that config is for, pinned."""
     import triton
 
     from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as fwd
-    from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import launch_grouped_gemm_fp8_wgrad
+    from fp8flow_ao.kernels import grouped_gemm_fp8_wgrad as wgrad
 
     if which == "wgrad":
+        mod, name = wgrad, "launch_grouped_gemm_fp8_wgrad"
         args = (p["dyt8"], p["dyts"], p["xt8"], p["xts"], p["offs"], torch.float32)
-        return lambda *a: launch_grouped_gemm_fp8_wgrad(*a, config=config), args
-    a, sa, b, sb = (
-        (p["x8"], p["xs"], p["w8"], p["ws"]) if which == "forward" else (p["dy8"], p["dys"], p["wt8"], p["wts"])
-    )
-    args = (a, sa, b, sb, p["offs"], torch.bfloat16)
+    else:
+        mod, name = fwd, "launch_grouped_gemm_fp8_blockwise"
+        a, sa, b, sb = (
+            (p["x8"], p["xs"], p["w8"], p["ws"]) if which == "forward" else (p["dy8"], p["dys"], p["wt8"], p["wts"])
+        )
+        args = (a, sa, b, sb, p["offs"], torch.bfloat16)
     if config is None:
-        return fwd.launch_grouped_gemm_fp8_blockwise, args
-    if isinstance(config, triton.Config):
-        return lambda *a: fwd.launch_grouped_gemm_fp8_blockwise_triton(*a, config=config), args
-    return lambda *a: fwd.launch_grouped_gemm_fp8_blockwise_sm90(*a, config=config), args
+        return getattr(mod, name + ("_triton" if kernel == "triton" else "")), args
+    launcher = getattr(mod, name + ("_triton" if isinstance(config, triton.Config) else "_sm90"))
+    return lambda *a: launcher(*a, config=config), args
 
 
 def ours_triton(p: dict, which: str) -> tuple[Callable, tuple]:
     """Our Triton (tl.dot) kernel, autotuned: the previous version, for the speed-up of the sm90 kernel."""
-    if which == "wgrad":
-        raise NotImplementedError("wgrad has one kernel")
-    from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import launch_grouped_gemm_fp8_blockwise_triton
-
-    _, args = ours(p, which)
-    return launch_grouped_gemm_fp8_blockwise_triton, args
+    return ours(p, which, kernel="triton")
 
 
 def bf16_grouped(p: dict, which: str) -> tuple[Callable, tuple]:
@@ -225,16 +222,17 @@ def run_cases(cases, passes) -> list[dict]:
     return rows_out
 
 
-def run_sweep() -> list[dict]:
+def run_sweep(passes: list[str]) -> list[dict]:
     """Every candidate config of both kernels, pinned (no autotune), on the PERF.md anchor shapes."""
     from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import FORWARD_CONFIGS, SM90_CONFIGS
-    from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import WGRAD_CONFIGS
+    from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import SM90_WGRAD_CONFIGS, WGRAD_CONFIGS
 
     forward = SM90_CONFIGS + FORWARD_CONFIGS
+    per_pass = {"forward": forward, "dgrad": forward, "wgrad": SM90_WGRAD_CONFIGS + WGRAD_CONFIGS}
     rows_out = []
     for m, k, n, e, routing in SWEEP_CASES:
         p = make_problem(m, k, n, e, routing)
-        for which, configs in (("forward", forward), ("dgrad", forward), ("wgrad", WGRAD_CONFIGS)):
+        for which, configs in ((w, per_pass[w]) for w in passes):
             nn, kk = pass_dims(p, which)
             flops = 2 * p["rows"] * nn * kk
             for cfg in configs:
@@ -264,7 +262,11 @@ def main() -> None:
         print("bench_grouped_gemm_fp8_blockwise: no CUDA device, nothing to time")
         return
     if args.sweep:
-        write_results("grouped_gemm_fp8_blockwise_sweep", run_sweep(), "Each launch config pinned (no autotune).")
+        write_results(
+            "grouped_gemm_fp8_blockwise_sweep",
+            run_sweep(args.passes.split(",")),
+            "Each launch config pinned (no autotune).",
+        )
         return
     rows_out = run_cases(FULL_CASES if args.full else DEFAULT_CASES, args.passes.split(","))
     write_results(

@@ -4,17 +4,12 @@ and dgrad, group edge cases, op registration, compile and bad input."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import conftest
 import pytest
 import torch
 from conftest import DEVICE
 from fp8_helpers import GEMM_TOLERANCE as TOLERANCE
-from fp8_helpers import padded_ends
+from fp8_helpers import build_every_sm90_config, padded_ends
 
 from fp8flow_ao._format import BLOCK, quantize_rows_reference
 from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as mod
@@ -193,30 +188,10 @@ def test_every_config(launcher, config, out_dtype):
     check(out, a, a_scale, b, b_scale, offsets, out_dtype)
 
 
-_BUILD_EVERY_SM90_CONFIG = """
-import json, torch
-from fp8flow_ao.kernels import _sm90_common as common, grouped_gemm_fp8_blockwise as mod
-built = []
-for config in mod.SM90_CONFIGS:
-    for out_dtype in (torch.bfloat16, torch.float32):
-        if config.smem_bytes(out_dtype) <= common.SM90_SMEM_BYTES:
-            kernel = mod.build_sm90_kernel(config, out_dtype, num_experts=8)
-            built.append([str(config), str(out_dtype), kernel.metadata.shared, len(kernel.asm["cubin"])])
-print(json.dumps(built))
-"""
-
-
 def test_sm90_kernel_builds_for_hopper():
     """On any machine: the Gluon kernel compiles to sm_90a cubins with this Triton, every config, both
-    output dtypes -- API drift between Triton releases shows up in the CPU suite, not first on a GPU.
-    In a fresh process: under TRITON_INTERPRET=1 (this suite without a GPU) Triton's own reduction
-    helpers are interpreter functions, which the Gluon compiler refuses."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _BUILD_EVERY_SM90_CONFIG], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    built = json.loads(done.stdout.strip().splitlines()[-1])
+    output dtypes -- API drift between Triton releases shows up in the CPU suite, not first on a GPU."""
+    built = build_every_sm90_config("grouped_gemm_fp8_blockwise", "SM90_CONFIGS", "build_sm90_kernel")
     fitting = [c for c in mod.SM90_CONFIGS for d in OUT_DTYPES if c.smem_bytes(d) <= SM90_SMEM_BYTES]
     assert len(built) == len(fitting) >= len(mod.SM90_CONFIGS)
     for config, out_dtype, shared, cubin_bytes in built:

@@ -1,22 +1,35 @@
-"""grouped_gemm_fp8_wgrad: Triton kernel (GPU, or the CPU interpreter) against the fp32 reference,
-group edge cases, op registration, compile and bad input."""
+"""grouped_gemm_fp8_wgrad: both kernels -- Triton (GPU, or the CPU interpreter) and the Gluon sm90
+kernel (Hopper; on the CPU it is built for sm_90a, not run) -- against the fp32 reference, group
+edge cases, op registration, compile and bad input."""
 
 from __future__ import annotations
 
+import conftest
 import pytest
 import torch
 from conftest import DEVICE
 from fp8_helpers import GEMM_TOLERANCE as TOLERANCE
-from fp8_helpers import padded_ends
+from fp8_helpers import build_every_sm90_config, padded_ends
 
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels import grouped_gemm_fp8_wgrad as mod
 from fp8flow_ao.kernels._grouped_gemm_common import AUTOTUNE_KEY
+from fp8flow_ao.kernels._sm90_common import SM90_SMEM_BYTES, Sm90Config
 from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import (
+    OUT_DTYPES,
     grouped_gemm_fp8_wgrad,
     grouped_gemm_fp8_wgrad_reference,
-    launch_grouped_gemm_fp8_wgrad,
+    launch_grouped_gemm_fp8_wgrad_sm90,
+    launch_grouped_gemm_fp8_wgrad_triton,
 )
+
+LAUNCHERS = {"triton": launch_grouped_gemm_fp8_wgrad_triton, "sm90": launch_grouped_gemm_fp8_wgrad_sm90}
+
+
+@pytest.fixture(params=["triton", pytest.param("sm90", marks=pytest.mark.hopper)])
+def launch(request: pytest.FixtureRequest):
+    """Each kernel's launcher; the sm90 one only where it runs (a Hopper GPU)."""
+    return LAUNCHERS[request.param]
 
 
 def column_wise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,10 +89,10 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_wgrad_matches_reference(case, out_dtype):
+def test_wgrad_matches_reference(case, out_dtype, launch):
     counts, n, k, extra = CASES[case]
     args = make_operands(counts, n, k, extra)
-    out = launch_grouped_gemm_fp8_wgrad(*args, out_dtype)
+    out = launch(*args, out_dtype)
     check(out, *args, out_dtype, counts)
 
 
@@ -95,23 +108,58 @@ def test_reference_is_dy_transpose_x():
     assert torch.equal(ref[1], torch.zeros(128, 256))
 
 
-def test_non_finite_scales_give_non_finite_output():
+def test_non_finite_scales_give_non_finite_output(launch):
     a_t, a_t_scale, b_t, b_t_scale, offsets = make_operands([128, 128], 128, 128)
     a_t_scale[1, 5] = float("nan")  # expert 1, column n = 5
     b_t_scale[0, 9] = float("inf")  # expert 0, column k = 9
-    out = launch_grouped_gemm_fp8_wgrad(a_t, a_t_scale, b_t, b_t_scale, offsets).cpu()
+    out = launch(a_t, a_t_scale, b_t, b_t_scale, offsets).cpu()
     assert torch.isnan(out[1, 5]).all() and not torch.isfinite(out[0, :, 9]).any()
     assert int((~torch.isfinite(out)).sum()) == 128 + 128
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", mod.WGRAD_CONFIGS, ids=str)
-def test_every_config(config):
-    """Each autotune candidate is correct (the autotuner may pick any), on a shape with many tiles."""
-    counts = [300, 0, 1000, 129, 640, 0, 17, 900]
+EVERY_CONFIG = [pytest.param(launch_grouped_gemm_fp8_wgrad_triton, c, marks=pytest.mark.gpu) for c in mod.WGRAD_CONFIGS]
+EVERY_CONFIG += [
+    pytest.param(launch_grouped_gemm_fp8_wgrad_sm90, c, marks=pytest.mark.hopper) for c in mod.SM90_WGRAD_CONFIGS
+]
+
+
+@pytest.mark.parametrize(("launcher", "config"), EVERY_CONFIG, ids=str)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_every_config(launcher, config, out_dtype):
+    """Each launch config is correct (the autotuner, or a sweep, may pick any), on a shape with many
+    tiles per program (so the persistent loop and the TMA ring wrap around)."""
+    counts = [300, 0, 1000, 129, 640, 0, 17, 900, 4100, 0, 2000, 128]
     args = make_operands(counts, 384, 512, extra_rows=48)
-    out = launch_grouped_gemm_fp8_wgrad(*args, torch.float32, config=config)
-    check(out, *args, torch.float32, counts)
+    out = launcher(*args, out_dtype, config=config)
+    check(out, *args, out_dtype, counts)
+
+
+def test_sm90_kernel_builds_for_hopper():
+    """On any machine: the Gluon kernel compiles to sm_90a cubins with this Triton, every config, both
+    output dtypes (API drift between Triton releases shows up here, not first on a GPU)."""
+    scale_bytes = mod._SCALE_BYTES_PER_STAGE
+    built = build_every_sm90_config(
+        "grouped_gemm_fp8_wgrad", "SM90_WGRAD_CONFIGS", "build_sm90_wgrad_kernel", scale_bytes
+    )
+    fitting = [c for c in mod.SM90_WGRAD_CONFIGS for d in OUT_DTYPES if c.smem_bytes(d, scale_bytes) <= SM90_SMEM_BYTES]
+    assert len(built) == len(fitting) == 2 * len(mod.SM90_WGRAD_CONFIGS)
+    for config, out_dtype, shared, cubin_bytes in built:
+        assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"), [(Sm90Config(128, 6), "shared memory"), (Sm90Config(256, 2), "128-wide tiles only")]
+)
+def test_sm90_refuses_bad_configs(config, match):
+    args = make_operands([128], 128, 256)
+    with pytest.raises(ValueError, match=match):
+        launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.float32, config)
+
+
+@pytest.mark.skipif(conftest.IS_HOPPER, reason="checks the refusal off Hopper")
+def test_sm90_refuses_other_devices():
+    with pytest.raises(RuntimeError, match="need a Hopper GPU"):
+        launch_grouped_gemm_fp8_wgrad_sm90(*make_operands([128], 128, 128))
 
 
 def test_zero_rows():

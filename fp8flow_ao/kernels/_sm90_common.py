@@ -108,14 +108,15 @@ def _nvmma_layout(shape: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedL
     return gl.NVMMASharedLayout.get_default_for(list(shape), gl_dtype)
 
 
-def descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
-    """Host TMA descriptor of a 2-D tensor (last dim contiguous) with ``block`` boxes."""
+def descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor:
+    """Host TMA descriptor of a tensor (last dim contiguous) with ``block`` boxes."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _nvmma_layout(block, t.dtype))
 
 
-def descriptor_signature(block: tuple[int, int], dtype: torch.dtype) -> str:
+def descriptor_signature(block: tuple[int, ...], dtype: torch.dtype) -> str:
     """The signature type a launch with ``descriptor(t, block)`` specializes the kernel on."""
-    return f"tensordesc<{_GL_DTYPE_NAMES[dtype]}[{block[0]}, {block[1]}],{_nvmma_layout(block, dtype)!r}>"
+    dims = ", ".join(map(str, block))
+    return f"tensordesc<{_GL_DTYPE_NAMES[dtype]}[{dims}],{_nvmma_layout(block, dtype)!r}>"
 
 
 def compile_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> Any:

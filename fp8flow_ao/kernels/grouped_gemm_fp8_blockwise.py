@@ -418,7 +418,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
     return out
 
 
-def build_sm90_kernel(config: Sm90Config, out_dtype: torch.dtype, num_experts: int) -> Any:
+def build_sm90_kernel(config: Sm90Config, out_dtype: torch.dtype, num_experts: int = 8) -> Any:
     """Compile the sm90 kernel for sm_90a without a GPU (see :func:`compile_for_sm90`), with the
     specialization a launch with ``config``, ``out_dtype`` and ``num_experts`` would have."""
     fp8 = torch.float8_e4m3fn

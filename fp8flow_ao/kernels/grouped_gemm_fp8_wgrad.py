@@ -7,16 +7,27 @@ with scales ``[M/128, K]`` (one scale per 128 tokens x 1 feature). The reduction
 ``e``'s rows runs in 128-row blocks; each block's tensor-core partial is promoted into the fp32
 accumulator with the outer product ``a_t_scale[mb, n] * b_t_scale[mb, k]``.
 
-Kernel: a persistent grid walks (expert, N tile, K tile) output tiles; each tile reads its expert's
-rows from the group end offsets on the device (no host sync). An empty expert runs no block and
-stores zeros.
+Two kernels share one contract; both walk (expert, N tile, K tile) output tiles on a persistent
+grid, each tile reading its expert's rows from the group end offsets on the device (no host sync).
+An empty expert runs no block and stores zeros.
+
+* ``sm90`` (Gluon, Hopper only, the CUDA default there): warp-specialized like the forward's sm90
+  kernel (``_sm90_common``): a producer warp loads the operand tiles AND each block's two scale
+  rows by TMA into the ring, so the consumers read scales from shared memory -- no global-load
+  latency in the promotion, no prefetch registers.
+* ``triton`` (``tl.dot``): any TMA-capable GPU and the CPU interpreter; autotuned.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from fp8flow_ao._checks import (
     check_contiguous,
@@ -39,6 +50,21 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     launch,
     persistent_grid,
     set_tma_workspace_allocator,
+    sm_count,
+)
+from fp8flow_ao.kernels._sm90_common import (
+    SM90_BLOCK,
+    WG_ROWS,
+    Sm90Config,
+    check_sm90_launch,
+    compile_for_sm90,
+    descriptor,
+    descriptor_signature,
+    sm90_mma,
+    sm90_store,
+    sm90_supported,
+    sm90_tile,
+    tma_load,
 )
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)
@@ -117,7 +143,7 @@ def _grouped_gemm_fp8_wgrad_kernel(
 _grouped_gemm_fp8_wgrad_tuned = autotuned(WGRAD_CONFIGS)(_grouped_gemm_fp8_wgrad_kernel)
 
 
-def launch_grouped_gemm_fp8_wgrad(
+def launch_grouped_gemm_fp8_wgrad_triton(
     a_t: torch.Tensor,
     a_t_scale: torch.Tensor,
     b_t: torch.Tensor,
@@ -161,6 +187,200 @@ def launch_grouped_gemm_fp8_wgrad(
         config=INTERPRET_CONFIG if config is None and interpreting() else config,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sm90: the warp-specialized Gluon kernel.
+
+# Scales ride in the ring: one 128-float row of each operand's scales per stage.
+_SCALE_BYTES_PER_STAGE = 2 * BLOCK * 4
+# Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200); the first is the
+# default. 128-wide tiles only: a 256-wide tile's two column-scale vectors would not fit in registers.
+SM90_WGRAD_CONFIGS = [Sm90Config(128, 4, 8), Sm90Config(128, 3, 8), Sm90Config(128, 4, 16)]
+
+
+@gluon.jit
+def _wgrad_tile(tile, N, K, GROUP_M: gl.constexpr):
+    """Tile index -> ``(expert, pid_n, pid_k)``: experts one after another, ``GROUP_M`` N tiles together."""
+    num_n = N // SM90_BLOCK
+    num_k = K // SM90_BLOCK
+    pid_n, pid_k = sm90_tile(tile % (num_n * num_k), num_n, num_k, GROUP_M)
+    return tile // (num_n * num_k), pid_n, pid_k
+
+
+@gluon.jit
+def _wgrad_blocks(ends_ptr, e, M):
+    """``[first, last)`` 128-token blocks of expert ``e`` (clamped to the tokens that exist)."""
+    start = gl.load(ends_ptr + gl.maximum(e - 1, 0)) * (e > 0).to(gl.int32)
+    end = gl.minimum(gl.load(ends_ptr + e), M)
+    return start // SM90_BLOCK, end // SM90_BLOCK
+
+
+@gluon.jit
+def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem):
+    """One warp: TMA loads of both operand tiles and both scale rows of every block of every tile."""
+    a_desc, b_desc, sa_desc, sb_desc = descs
+    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty = ring
+    ends_ptr, M, N, K, E = problem
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    nbytes: gl.constexpr = (
+        a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes + sb_desc.block_type.nbytes
+    )
+    it = 0
+    for tile in range(gl.program_id(0), E * (N // SM90_BLOCK) * (K // SM90_BLOCK), gl.num_programs(0)):
+        e, pid_n, pid_k = _wgrad_tile(tile, N, K, GROUP_M)
+        first, last = _wgrad_blocks(ends_ptr, e, M)
+        for mb in range(first, last):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma_load(a_desc, [pid_n * SM90_BLOCK, mb * SM90_BLOCK], ready.index(s), a_bufs.index(s))
+            tma_load(b_desc, [pid_k * SM90_BLOCK, mb * SM90_BLOCK], ready.index(s), b_bufs.index(s))
+            tma_load(sa_desc, [mb * N + pid_n * SM90_BLOCK], ready.index(s), sa_bufs.index(s))
+            tma_load(sb_desc, [mb * K + pid_k * SM90_BLOCK], ready.index(s), sb_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _wgrad_consumer(WG: gl.constexpr, GROUP_M: gl.constexpr, ring, out, problem):
+    """One warpgroup: output rows ``[64 WG, 64 WG + 64)`` of every tile; the promotion scale is the
+    outer product of the block's row scales (N) and column scales (K), read from the ring."""
+    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty = ring
+    out_desc, out_bufs = out
+    ends_ptr, M, N, K, E = problem
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SM90_BLOCK, 32]
+    )
+    out_s = out_bufs.index(WG)
+    it = 0
+    for tile in range(gl.program_id(0), E * (N // SM90_BLOCK) * (K // SM90_BLOCK), gl.num_programs(0)):
+        e, pid_n, pid_k = _wgrad_tile(tile, N, K, GROUP_M)
+        first, last = _wgrad_blocks(ends_ptr, e, M)
+        acc = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
+        for _ in range(first, last):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            part = sm90_mma(a_bufs, b_bufs, s, mma, WG, 0)
+            sa = sa_bufs.index(s).slice(WG * WG_ROWS, WG_ROWS).load(gl.SliceLayout(1, mma))
+            sb = sb_bufs.index(s).load(gl.SliceLayout(0, mma))
+            part = warpgroup_mma_wait(0, deps=(part,))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc = part * sa[:, None] * sb[None, :] + acc
+            it += 1
+        sm90_store(out_desc, out_s, acc, e * N + pid_n * SM90_BLOCK + WG * WG_ROWS, pid_k * SM90_BLOCK)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _grouped_gemm_fp8_wgrad_sm90_kernel(
+    a_desc, b_desc, sa_desc, sb_desc, out_desc, ends_ptr, M, N, K, E, GROUP_M: gl.constexpr, STAGES: gl.constexpr
+):
+    """Warp-specialized persistent blockwise FP8 grouped weight-gradient GEMM (Hopper).
+
+    a_desc: dY^T ``[N, M]`` E4M3, 128x128 boxes; b_desc: X^T ``[K, M]`` E4M3, 128x128 boxes;
+    sa_desc / sb_desc: their scales ``[M/128, N]`` / ``[M/128, K]`` fp32 flattened, 128 boxes; out_desc:
+    ``[E * N, K]`` (the ``[E, N, K]`` output flattened), 64x128 boxes; ends ``[E]`` int32.
+    """
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
+    sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
+    out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    ring = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty)
+    problem = (ends_ptr, M, N, K, E)
+    out = (out_desc, out_bufs)
+    gl.warp_specialize(
+        [
+            (_wgrad_consumer, (0, GROUP_M, ring, out, problem)),
+            (_wgrad_consumer, (1, GROUP_M, ring, out, problem)),
+            (_wgrad_producer, (GROUP_M, (a_desc, b_desc, sa_desc, sb_desc), ring, problem)),
+        ],
+        [4, 1],
+        [232, 40],
+    )
+
+
+def launch_grouped_gemm_fp8_wgrad_sm90(
+    a_t: torch.Tensor,
+    a_t_scale: torch.Tensor,
+    b_t: torch.Tensor,
+    b_t_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    config: Sm90Config | None = None,
+) -> torch.Tensor:
+    """Gluon launcher (Hopper GPUs only). Same contract as :func:`grouped_gemm_fp8_wgrad`.
+
+    ``config`` pins the launch settings (tests, sweeps); by default ``SM90_WGRAD_CONFIGS[0]``.
+    """
+    config = config or SM90_WGRAD_CONFIGS[0]
+    n, m = a_t.shape
+    k = b_t.shape[0]
+    e = group_end_offsets.shape[0]
+    if config.block_n != BLOCK:
+        raise ValueError(f"{config}: the sm90 wgrad kernel takes 128-wide tiles only")
+    check_sm90_launch(a_t.device, config, k, out_dtype, _SCALE_BYTES_PER_STAGE)
+    if m == 0:
+        return torch.zeros((e, n, k), dtype=out_dtype, device=a_t.device)
+    for name, t in (("a_t", a_t), ("b_t", b_t), ("a_t_scale", a_t_scale), ("b_t_scale", b_t_scale)):
+        check_tma_operand(name, t)
+    out = torch.empty((e, n, k), dtype=out_dtype, device=a_t.device)
+    tiles = e * (n // BLOCK) * (k // BLOCK)
+    _grouped_gemm_fp8_wgrad_sm90_kernel[(min(tiles, sm_count(a_t.device)),)](
+        descriptor(a_t, (BLOCK, BLOCK)),
+        descriptor(b_t, (BLOCK, BLOCK)),
+        # The scales as flat vectors: a 1-D box of one block's 128 scales lands as a 1-D ring slot.
+        descriptor(a_t_scale.view(-1), (BLOCK,)),
+        descriptor(b_t_scale.view(-1), (BLOCK,)),
+        descriptor(out.view(e * n, k), (64, BLOCK)),
+        group_end_offsets,
+        m,
+        n,
+        k,
+        e,
+        GROUP_M=config.group_m,
+        STAGES=config.stages,
+        num_warps=4,
+    )
+    return out
+
+
+def build_sm90_wgrad_kernel(config: Sm90Config, out_dtype: torch.dtype) -> Any:
+    """Compile the sm90 wgrad kernel for sm_90a without a GPU (see ``compile_for_sm90``), with the
+    specialization a launch with ``config`` and ``out_dtype`` would have."""
+    fp8 = torch.float8_e4m3fn
+    signature = {
+        "a_desc": descriptor_signature((BLOCK, BLOCK), fp8),
+        "b_desc": descriptor_signature((BLOCK, BLOCK), fp8),
+        "sa_desc": descriptor_signature((BLOCK,), torch.float32),
+        "sb_desc": descriptor_signature((BLOCK,), torch.float32),
+        "out_desc": descriptor_signature((64, BLOCK), out_dtype),
+        "ends_ptr": "*i32",
+        **dict.fromkeys(("M", "N", "K", "E"), "i32"),
+        **dict.fromkeys(("GROUP_M", "STAGES"), "constexpr"),
+    }
+    constexprs = {"GROUP_M": config.group_m, "STAGES": config.stages}
+    return compile_for_sm90(_grouped_gemm_fp8_wgrad_sm90_kernel, signature, constexprs)
+
+
+def launch_grouped_gemm_fp8_wgrad(
+    a_t: torch.Tensor,
+    a_t_scale: torch.Tensor,
+    b_t: torch.Tensor,
+    b_t_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The op's CUDA kernel: the sm90 Gluon kernel on Hopper, the Triton kernel on other GPUs."""
+    if sm90_supported(a_t.device):
+        return launch_grouped_gemm_fp8_wgrad_sm90(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
+    return launch_grouped_gemm_fp8_wgrad_triton(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
 
 
 def _dequantize_columns(data_t: torch.Tensor, scale_t: torch.Tensor) -> torch.Tensor:
