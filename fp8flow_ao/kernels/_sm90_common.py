@@ -18,7 +18,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp8flow_ao._format import BLOCK
@@ -40,11 +40,15 @@ _GL_DTYPE_NAMES = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch
 class Sm90Config:
     """Launch settings of an sm90 kernel: tiles of 128 rows x ``block_n`` (128 or 256) columns,
     ``stages`` operand slots in the TMA ring, ``group_m`` row tiles walked together (L2 reuse of
-    the other operand's tiles)."""
+    the other operand's tiles), ``ordered``: consumer 1 issues a block's MMA only after consumer 0
+    issued its own, so the tensor cores finish consumer 0's first and its promotion runs under
+    consumer 1's MMA (without it both may be released by the same ``ready`` flip, multiply
+    interleaved, and promote at the same time while the tensor cores idle)."""
 
     block_n: int = 128
     stages: int = 4
     group_m: int = 8
+    ordered: bool = False
 
     def smem_bytes(self, out_dtype: torch.dtype, scale_bytes_per_stage: int = 0) -> int:
         """Shared memory of one CTA: the operand ring (plus any scales carried in it) and two
@@ -70,6 +74,36 @@ def sm90_mma(a_bufs, b_bufs, s, layout: gl.constexpr, WG: gl.constexpr, HALF: gl
     b = b_bufs.index(s).slice(HALF * SM90_BLOCK, SM90_BLOCK).permute((1, 0))
     # use_acc=False: the accumulator operand is a placeholder (no zeros are held across the loop).
     return warpgroup_mma(a, b, gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, layout), use_acc=False, is_async=True)
+
+
+@gluon.jit
+def sm90_ring_barriers(STAGES: gl.constexpr):
+    """The ring's mbarriers, initialized: ``ready`` (TMA bytes landed), ``empty`` (both consumers
+    released the slot: count 2) and ``turn`` (consumer 0 issued the slot's first MMA)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(turn.index(i), count=1)
+    return ready, empty, turn
+
+
+@gluon.jit
+def sm90_first_mma(a_bufs, b_bufs, ready, turn, it, layout: gl.constexpr, WG: gl.constexpr, ORDERED: gl.constexpr):
+    """Wait for ring slot ``it % STAGES`` and start its first MMA (``sm90_mma`` half 0); with
+    ``ORDERED``, consumer 1 first waits until consumer 0 has issued its own (``Sm90Config.ordered``)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    s = it % STAGES
+    phase = (it // STAGES) & 1
+    mbarrier.wait(ready.index(s), phase)
+    if ORDERED and WG == 1:
+        mbarrier.wait(turn.index(s), phase)
+    part = sm90_mma(a_bufs, b_bufs, s, layout, WG, 0)
+    if ORDERED and WG == 0:
+        mbarrier.arrive(turn.index(s), count=1)
+    return part
 
 
 @gluon.jit

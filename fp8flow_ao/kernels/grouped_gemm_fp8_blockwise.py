@@ -65,7 +65,9 @@ from fp8flow_ao.kernels._sm90_common import (
     compile_for_sm90,
     descriptor,
     descriptor_signature,
+    sm90_first_mma,
     sm90_mma,
+    sm90_ring_barriers,
     sm90_store,
     sm90_supported,
     sm90_tile,
@@ -213,6 +215,8 @@ SM90_CONFIGS = [
     Sm90Config(128, 4, 8),
     Sm90Config(256, 3, 8),
     Sm90Config(256, 4, 8),
+    Sm90Config(256, 3, 16, ordered=True),
+    Sm90Config(128, 4, 8, ordered=True),
 ]
 
 
@@ -235,7 +239,7 @@ def _sm90_tiles(ends_ptr, M, N, E, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _sm90_producer(E_POW2: gl.constexpr, GROUP_M: gl.constexpr, a_desc, b_desc, ring, problem):
     """One warp: TMA loads of the A and B tiles of every K block of every live tile into the ring."""
-    a_bufs, b_bufs, ready, empty = ring
+    a_bufs, b_bufs, ready, empty, _ = ring
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -255,12 +259,14 @@ def _sm90_producer(E_POW2: gl.constexpr, GROUP_M: gl.constexpr, a_desc, b_desc, 
 
 
 @gluon.jit
-def _sm90_consumer(WG: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr, ring, out, scales, problem):
+def _sm90_consumer(
+    WG: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr, ORDERED: gl.constexpr, ring, out, scales, problem
+):
     """One warpgroup: rows ``[64 WG, 64 WG + 64)`` of every tile -- MMAs, promotion, TMA stores.
 
     A 128x256 tile is computed as two 128-column halves, one after the other (two 64x128 fp32
     accumulators plus one partial: 192 registers; a single 64x256 partial would not fit)."""
-    a_bufs, b_bufs, ready, empty = ring
+    a_bufs, b_bufs, ready, empty, turn = ring
     out_desc, out_bufs = out
     a_scale_ptr, stride_as, b_scale_ptr = scales
     ends_ptr, M, N, K, E = problem
@@ -290,8 +296,7 @@ def _sm90_consumer(WG: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr
         acc1 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
         for kb in range(k_blocks):
             s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            part = sm90_mma(a_bufs, b_bufs, s, mma, WG, 0)
+            part = sm90_first_mma(a_bufs, b_bufs, ready, turn, it, mma, WG, ORDERED)
             # The next block's scales load while this block multiplies (clamped on the last block).
             nxt = gl.minimum(kb + 1, k_blocks - 1)
             sa_next = gl.load(sa_ptrs + nxt, mask=rows < M, other=0.0)
@@ -339,6 +344,7 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     E_POW2: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
+    ORDERED: gl.constexpr,
 ):
     """Warp-specialized persistent blockwise FP8 grouped GEMM (Hopper).
 
@@ -351,19 +357,15 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-    ring = (a_bufs, b_bufs, ready, empty)
+    ready, empty, turn = sm90_ring_barriers(STAGES)
+    ring = (a_bufs, b_bufs, ready, empty, turn)
     problem = (ends_ptr, M, N, K, E)
     scales = (a_scale_ptr, stride_as, b_scale_ptr)
     out = (out_desc, out_bufs)
     gl.warp_specialize(
         [
-            (_sm90_consumer, (0, E_POW2, GROUP_M, ring, out, scales, problem)),
-            (_sm90_consumer, (1, E_POW2, GROUP_M, ring, out, scales, problem)),
+            (_sm90_consumer, (0, E_POW2, GROUP_M, ORDERED, ring, out, scales, problem)),
+            (_sm90_consumer, (1, E_POW2, GROUP_M, ORDERED, ring, out, scales, problem)),
             (_sm90_producer, (E_POW2, GROUP_M, a_desc, b_desc, ring, problem)),
         ],
         [4, 1],
@@ -413,6 +415,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
         E_POW2=triton.next_power_of_2(e),
         GROUP_M=config.group_m,
         STAGES=config.stages,
+        ORDERED=config.ordered,
         num_warps=4,
     )
     return out
@@ -431,9 +434,14 @@ def build_sm90_kernel(config: Sm90Config, out_dtype: torch.dtype, num_experts: i
         "b_scale_ptr": "*fp32",
         "ends_ptr": "*i32",
         **dict.fromkeys(("M", "N", "K", "E"), "i32"),
-        **dict.fromkeys(("E_POW2", "GROUP_M", "STAGES"), "constexpr"),
+        **dict.fromkeys(("E_POW2", "GROUP_M", "STAGES", "ORDERED"), "constexpr"),
     }
-    constexprs = {"E_POW2": triton.next_power_of_2(num_experts), "GROUP_M": config.group_m, "STAGES": config.stages}
+    constexprs = {
+        "E_POW2": triton.next_power_of_2(num_experts),
+        "GROUP_M": config.group_m,
+        "STAGES": config.stages,
+        "ORDERED": config.ordered,
+    }
     return compile_for_sm90(_grouped_gemm_fp8_blockwise_sm90_kernel, signature, constexprs)
 
 

@@ -60,7 +60,8 @@ from fp8flow_ao.kernels._sm90_common import (
     compile_for_sm90,
     descriptor,
     descriptor_signature,
-    sm90_mma,
+    sm90_first_mma,
+    sm90_ring_barriers,
     sm90_store,
     sm90_supported,
     sm90_tile,
@@ -198,7 +199,13 @@ _SCALE_BYTES_PER_STAGE = 2 * BLOCK * 4
 # default (GROUP_M 16: +1-3% over 8 on all three anchor shapes; 3 stages: -1-6%). 128-wide tiles
 # only: a 256-wide tile's two column-scale vectors would not fit in registers. 5 stages fit only
 # with bf16 output.
-SM90_WGRAD_CONFIGS = [Sm90Config(128, 4, 16), Sm90Config(128, 4, 8), Sm90Config(128, 3, 8), Sm90Config(128, 5, 16)]
+SM90_WGRAD_CONFIGS = [
+    Sm90Config(128, 4, 16),
+    Sm90Config(128, 4, 8),
+    Sm90Config(128, 3, 8),
+    Sm90Config(128, 5, 16),
+    Sm90Config(128, 4, 16, ordered=True),
+]
 
 
 @gluon.jit
@@ -222,7 +229,7 @@ def _wgrad_blocks(ends_ptr, e, M):
 def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem):
     """One warp: TMA loads of both operand tiles and both scale rows of every block of every tile."""
     a_desc, b_desc, sa_desc, sb_desc = descs
-    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty = ring
+    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, _ = ring
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     nbytes: gl.constexpr = (
@@ -244,10 +251,10 @@ def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem):
 
 
 @gluon.jit
-def _wgrad_consumer(WG: gl.constexpr, GROUP_M: gl.constexpr, ring, out, problem):
+def _wgrad_consumer(WG: gl.constexpr, GROUP_M: gl.constexpr, ORDERED: gl.constexpr, ring, out, problem):
     """One warpgroup: output rows ``[64 WG, 64 WG + 64)`` of every tile; the promotion scale is the
     outer product of the block's row scales (N) and column scales (K), read from the ring."""
-    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty = ring
+    a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn = ring
     out_desc, out_bufs = out
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -262,8 +269,7 @@ def _wgrad_consumer(WG: gl.constexpr, GROUP_M: gl.constexpr, ring, out, problem)
         acc = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
         for _ in range(first, last):
             s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            part = sm90_mma(a_bufs, b_bufs, s, mma, WG, 0)
+            part = sm90_first_mma(a_bufs, b_bufs, ready, turn, it, mma, WG, ORDERED)
             sa = sa_bufs.index(s).slice(WG * WG_ROWS, WG_ROWS).load(gl.SliceLayout(1, mma))
             sb = sb_bufs.index(s).load(gl.SliceLayout(0, mma))
             part = warpgroup_mma_wait(0, deps=(part,))
@@ -276,7 +282,19 @@ def _wgrad_consumer(WG: gl.constexpr, GROUP_M: gl.constexpr, ring, out, problem)
 
 @gluon.jit
 def _grouped_gemm_fp8_wgrad_sm90_kernel(
-    a_desc, b_desc, sa_desc, sb_desc, out_desc, ends_ptr, M, N, K, E, GROUP_M: gl.constexpr, STAGES: gl.constexpr
+    a_desc,
+    b_desc,
+    sa_desc,
+    sb_desc,
+    out_desc,
+    ends_ptr,
+    M,
+    N,
+    K,
+    E,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    ORDERED: gl.constexpr,
 ):
     """Warp-specialized persistent blockwise FP8 grouped weight-gradient GEMM (Hopper).
 
@@ -289,18 +307,14 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
     sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
     out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-    ring = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty)
+    ready, empty, turn = sm90_ring_barriers(STAGES)
+    ring = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn)
     problem = (ends_ptr, M, N, K, E)
     out = (out_desc, out_bufs)
     gl.warp_specialize(
         [
-            (_wgrad_consumer, (0, GROUP_M, ring, out, problem)),
-            (_wgrad_consumer, (1, GROUP_M, ring, out, problem)),
+            (_wgrad_consumer, (0, GROUP_M, ORDERED, ring, out, problem)),
+            (_wgrad_consumer, (1, GROUP_M, ORDERED, ring, out, problem)),
             (_wgrad_producer, (GROUP_M, (a_desc, b_desc, sa_desc, sb_desc), ring, problem)),
         ],
         [4, 1],
@@ -348,6 +362,7 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
         e,
         GROUP_M=config.group_m,
         STAGES=config.stages,
+        ORDERED=config.ordered,
         num_warps=4,
     )
     return out
@@ -365,9 +380,9 @@ def build_sm90_wgrad_kernel(config: Sm90Config, out_dtype: torch.dtype) -> Any:
         "out_desc": descriptor_signature((64, BLOCK), out_dtype),
         "ends_ptr": "*i32",
         **dict.fromkeys(("M", "N", "K", "E"), "i32"),
-        **dict.fromkeys(("GROUP_M", "STAGES"), "constexpr"),
+        **dict.fromkeys(("GROUP_M", "STAGES", "ORDERED"), "constexpr"),
     }
-    constexprs = {"GROUP_M": config.group_m, "STAGES": config.stages}
+    constexprs = {"GROUP_M": config.group_m, "STAGES": config.stages, "ORDERED": config.ordered}
     return compile_for_sm90(_grouped_gemm_fp8_wgrad_sm90_kernel, signature, constexprs)
 
 
