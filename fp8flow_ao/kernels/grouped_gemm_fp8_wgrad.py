@@ -196,9 +196,9 @@ def launch_grouped_gemm_fp8_wgrad_triton(
 # Scales ride in the ring: one 128-float row of each operand's scales per stage.
 _SCALE_BYTES_PER_STAGE = 2 * BLOCK * 4
 # Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200); the first is the
-# default (GROUP_M 16: +1-3% over 8 on all three anchor shapes; 3 stages: -1-6%). 128-wide tiles
-# only: a 256-wide tile's two column-scale vectors would not fit in registers. 5 stages fit only
-# with bf16 output.
+# default (GROUP_M 16, 4 stages: within noise of the others, best or second on every anchor shape;
+# ordering the consumers costs 1-7% here, as at 128x128 forward). 128-wide tiles only: a 256-wide
+# tile's two column-scale vectors would not fit in registers. 5 stages fit only with bf16 output.
 SM90_WGRAD_CONFIGS = [
     Sm90Config(128, 4, 16),
     Sm90Config(128, 4, 8),
