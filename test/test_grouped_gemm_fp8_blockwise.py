@@ -182,7 +182,7 @@ def test_every_config(launcher, config, out_dtype):
     counts = [300, 0, 1000, 129, 640, 0, 17, 900, 4100, 0, 2000, 128]
     a, a_scale, offsets = make_rows(counts, 1024, extra_rows=200)
     b, b_scale = make_weights(len(counts), 512, 1024)
-    if isinstance(config, Sm90Config) and config.smem_bytes(out_dtype) > SM90_SMEM_BYTES:
+    if isinstance(config, Sm90Config) and mod.sm90_smem_bytes(config, out_dtype) > SM90_SMEM_BYTES:
         pytest.skip(f"{config} does not fit with {out_dtype} out")
     out = launcher(a, a_scale, b, b_scale, offsets, out_dtype, config=config)
     check(out, a, a_scale, b, b_scale, offsets, out_dtype)
@@ -192,7 +192,7 @@ def test_sm90_kernel_builds_for_hopper():
     """On any machine: the Gluon kernel compiles to sm_90a cubins with this Triton, every config, both
     output dtypes -- API drift between Triton releases shows up in the CPU suite, not first on a GPU."""
     built = build_every_sm90_config("grouped_gemm_fp8_blockwise", "SM90_CONFIGS", "build_sm90_kernel")
-    fitting = [c for c in mod.SM90_CONFIGS for d in OUT_DTYPES if c.smem_bytes(d) <= SM90_SMEM_BYTES]
+    fitting = [c for c in mod.SM90_CONFIGS for d in OUT_DTYPES if mod.sm90_smem_bytes(c, d) <= SM90_SMEM_BYTES]
     assert len(built) == len(fitting) >= len(mod.SM90_CONFIGS)
     for config, out_dtype, shared, cubin_bytes in built:
         assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
@@ -200,7 +200,11 @@ def test_sm90_kernel_builds_for_hopper():
 
 @pytest.mark.parametrize(
     ("n", "config", "match"),
-    [(128, Sm90Config(stages=7), "shared memory"), (384, Sm90Config(256, 3), "divide N"), (256, Sm90Config(64), "128")],
+    [
+        (128, Sm90Config(stages=7), "shared memory"),
+        (384, Sm90Config(256, 3), "divide the output width"),
+        (256, Sm90Config(64), "128"),
+    ],
 )
 def test_sm90_refuses_bad_configs(n, config, match):
     a, a_scale, offsets = make_rows([128], 128)
@@ -213,7 +217,7 @@ def test_sm90_refuses_bad_configs(n, config, match):
 def test_sm90_default_config_fits_and_prefers_wide_tiles(out_dtype):
     for n in (128, 384, 256, 7168):
         config = mod.sm90_default_config(n, out_dtype)
-        assert n % config.block_n == 0 and config.smem_bytes(out_dtype) <= SM90_SMEM_BYTES
+        assert n % config.block_n == 0 and mod.sm90_smem_bytes(config, out_dtype) <= SM90_SMEM_BYTES
         assert config.block_n == (256 if n % 256 == 0 else 128) and config in mod.SM90_CONFIGS
 
 

@@ -130,7 +130,7 @@ def test_every_config(launcher, config, out_dtype):
     tiles per program (so the persistent loop and the TMA ring wrap around)."""
     counts = [300, 0, 1000, 129, 640, 0, 17, 900, 4100, 0, 2000, 128]
     args = make_operands(counts, 384, 512, extra_rows=48)
-    if isinstance(config, Sm90Config) and config.smem_bytes(out_dtype, mod._SCALE_BYTES_PER_STAGE) > SM90_SMEM_BYTES:
+    if isinstance(config, Sm90Config) and mod.sm90_smem_bytes(config, out_dtype) > SM90_SMEM_BYTES:
         pytest.skip(f"{config} does not fit with {out_dtype} out")
     out = launcher(*args, out_dtype, config=config)
     check(out, *args, out_dtype, counts)
@@ -139,23 +139,29 @@ def test_every_config(launcher, config, out_dtype):
 def test_sm90_kernel_builds_for_hopper():
     """On any machine: the Gluon kernel compiles to sm_90a cubins with this Triton, every config, both
     output dtypes (API drift between Triton releases shows up here, not first on a GPU)."""
-    scale_bytes = mod._SCALE_BYTES_PER_STAGE
-    built = build_every_sm90_config(
-        "grouped_gemm_fp8_wgrad", "SM90_WGRAD_CONFIGS", "build_sm90_wgrad_kernel", scale_bytes
-    )
-    fitting = [c for c in mod.SM90_WGRAD_CONFIGS for d in OUT_DTYPES if c.smem_bytes(d, scale_bytes) <= SM90_SMEM_BYTES]
+    built = build_every_sm90_config("grouped_gemm_fp8_wgrad", "SM90_WGRAD_CONFIGS", "build_sm90_wgrad_kernel")
+    fitting = [c for c in mod.SM90_WGRAD_CONFIGS for d in OUT_DTYPES if mod.sm90_smem_bytes(c, d) <= SM90_SMEM_BYTES]
     assert len(built) == len(fitting) >= len(mod.SM90_WGRAD_CONFIGS)
     for config, out_dtype, shared, cubin_bytes in built:
         assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
 
 
 @pytest.mark.parametrize(
-    ("config", "match"), [(Sm90Config(128, 6), "shared memory"), (Sm90Config(256, 2), "128-wide tiles only")]
+    ("k", "config", "match"),
+    [(256, Sm90Config(128, 6), "shared memory"), (384, Sm90Config(256, 2), "divide the output width")],
 )
-def test_sm90_refuses_bad_configs(config, match):
-    args = make_operands([128], 128, 256)
+def test_sm90_refuses_bad_configs(k, config, match):
+    args = make_operands([128], 128, k)
     with pytest.raises(ValueError, match=match):
         launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.float32, config)
+
+
+def test_sm90_default_config_fits_and_prefers_wide_tiles():
+    for k in (128, 384, 256, 7168):
+        config = mod.sm90_wgrad_default_config(k)
+        assert k % config.block_n == 0 and config in mod.SM90_WGRAD_CONFIGS
+        assert config.block_n == (256 if k % 256 == 0 else 128)
+        assert all(mod.sm90_smem_bytes(config, d) <= SM90_SMEM_BYTES for d in OUT_DTYPES)
 
 
 @pytest.mark.skipif(conftest.IS_HOPPER, reason="checks the refusal off Hopper")

@@ -126,7 +126,7 @@ def check_sm90_launch(
     """Clear errors before any launch: a tile width that does not divide ``n``, a ring that does not
     fit in shared memory, a device without wgmma."""
     if config.block_n not in (128, 256) or n % config.block_n:
-        raise ValueError(f"{config}: block_n must be 128 or 256 and divide N = {n}")
+        raise ValueError(f"{config}: block_n must be 128 or 256 and divide the output width {n}")
     smem = config.smem_bytes(out_dtype, scale_bytes_per_stage)
     if smem > SM90_SMEM_BYTES:
         raise ValueError(

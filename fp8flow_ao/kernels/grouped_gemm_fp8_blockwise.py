@@ -372,6 +372,11 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     )
 
 
+def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype) -> int:
+    """Shared memory of the sm90 forward kernel with ``config`` and ``out_dtype``."""
+    return config.smem_bytes(out_dtype)
+
+
 def sm90_default_config(n: int, out_dtype: torch.dtype) -> Sm90Config:
     """The config the op runs with for ``N`` output columns: a fixed rule from the sweep, no timing at
     run time (so nothing re-tunes when routing changes M). 128x256 tiles where N allows (a quarter

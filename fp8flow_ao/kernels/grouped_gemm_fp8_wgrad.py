@@ -61,6 +61,7 @@ from fp8flow_ao.kernels._sm90_common import (
     descriptor,
     descriptor_signature,
     sm90_first_mma,
+    sm90_mma,
     sm90_ring_barriers,
     sm90_store,
     sm90_supported,
@@ -193,26 +194,39 @@ def launch_grouped_gemm_fp8_wgrad_triton(
 # ---------------------------------------------------------------------------------------------
 # sm90: the warp-specialized Gluon kernel.
 
-# Scales ride in the ring: one 128-float row of each operand's scales per stage.
-_SCALE_BYTES_PER_STAGE = 2 * BLOCK * 4
-# Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200); the first is the
-# default (GROUP_M 16, 4 stages: within noise of the others, best or second on every anchor shape;
-# ordering the consumers costs 1-7% here, as at 128x128 forward). 128-wide tiles only: a 256-wide
-# tile's two column-scale vectors would not fit in registers. 5 stages fit only with bf16 output.
+
+# Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200); the first two are
+# the defaults (sm90_wgrad_default_config). 128x128: GROUP_M 16, 4 stages, within noise of the other
+# 128x128 candidates and best or second on every anchor shape; ordering the consumers costs 1-7%
+# there, as at 128x128 forward. 5 stages fit only with bf16 output.
 SM90_WGRAD_CONFIGS = [
+    Sm90Config(256, 3, 16, ordered=True),
     Sm90Config(128, 4, 16),
     Sm90Config(128, 4, 8),
     Sm90Config(128, 3, 8),
     Sm90Config(128, 5, 16),
     Sm90Config(128, 4, 16, ordered=True),
+    Sm90Config(256, 3, 16),
 ]
 
 
+def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype) -> int:
+    """Shared memory of the sm90 wgrad kernel: the ring also carries each block's scale rows
+    (128 + ``block_n`` floats per stage)."""
+    return config.smem_bytes(out_dtype, (BLOCK + config.block_n) * 4)
+
+
+def sm90_wgrad_default_config(k: int) -> Sm90Config:
+    """The config the op runs with for ``K`` output columns: 128x256 tiles with ordered consumers
+    where K allows (as the forward), 128x128 otherwise."""
+    return SM90_WGRAD_CONFIGS[0] if k % 256 == 0 else SM90_WGRAD_CONFIGS[1]
+
+
 @gluon.jit
-def _wgrad_tile(tile, N, K, GROUP_M: gl.constexpr):
+def _wgrad_tile(tile, N, K, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
     """Tile index -> ``(expert, pid_n, pid_k)``: experts one after another, ``GROUP_M`` N tiles together."""
     num_n = N // SM90_BLOCK
-    num_k = K // SM90_BLOCK
+    num_k = K // BLOCK_N
     pid_n, pid_k = sm90_tile(tile % (num_n * num_k), num_n, num_k, GROUP_M)
     return tile // (num_n * num_k), pid_n, pid_k
 
@@ -232,51 +246,71 @@ def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem):
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, _ = ring
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     nbytes: gl.constexpr = (
         a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes + sb_desc.block_type.nbytes
     )
     it = 0
-    for tile in range(gl.program_id(0), E * (N // SM90_BLOCK) * (K // SM90_BLOCK), gl.num_programs(0)):
-        e, pid_n, pid_k = _wgrad_tile(tile, N, K, GROUP_M)
+    for tile in range(gl.program_id(0), E * (N // SM90_BLOCK) * (K // BLOCK_N), gl.num_programs(0)):
+        e, pid_n, pid_k = _wgrad_tile(tile, N, K, BLOCK_N, GROUP_M)
         first, last = _wgrad_blocks(ends_ptr, e, M)
         for mb in range(first, last):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
             tma_load(a_desc, [pid_n * SM90_BLOCK, mb * SM90_BLOCK], ready.index(s), a_bufs.index(s))
-            tma_load(b_desc, [pid_k * SM90_BLOCK, mb * SM90_BLOCK], ready.index(s), b_bufs.index(s))
+            tma_load(b_desc, [pid_k * BLOCK_N, mb * SM90_BLOCK], ready.index(s), b_bufs.index(s))
             tma_load(sa_desc, [mb * N + pid_n * SM90_BLOCK], ready.index(s), sa_bufs.index(s))
-            tma_load(sb_desc, [mb * K + pid_k * SM90_BLOCK], ready.index(s), sb_bufs.index(s))
+            tma_load(sb_desc, [mb * K + pid_k * BLOCK_N], ready.index(s), sb_bufs.index(s))
             it += 1
 
 
 @gluon.jit
 def _wgrad_consumer(WG: gl.constexpr, GROUP_M: gl.constexpr, ORDERED: gl.constexpr, ring, out, problem):
     """One warpgroup: output rows ``[64 WG, 64 WG + 64)`` of every tile; the promotion scale is the
-    outer product of the block's row scales (N) and column scales (K), read from the ring."""
+    outer product of the block's row scales (N) and column scales (K), read from the ring just
+    before each use (a 128x256 tile's column scales are never all held in registers)."""
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn = ring
     out_desc, out_bufs = out
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    HALVES: gl.constexpr = BLOCK_N // SM90_BLOCK
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SM90_BLOCK, 32]
     )
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
     out_s = out_bufs.index(WG)
     it = 0
-    for tile in range(gl.program_id(0), E * (N // SM90_BLOCK) * (K // SM90_BLOCK), gl.num_programs(0)):
-        e, pid_n, pid_k = _wgrad_tile(tile, N, K, GROUP_M)
+    for tile in range(gl.program_id(0), E * (N // SM90_BLOCK) * (K // BLOCK_N), gl.num_programs(0)):
+        e, pid_n, pid_k = _wgrad_tile(tile, N, K, BLOCK_N, GROUP_M)
         first, last = _wgrad_blocks(ends_ptr, e, M)
-        acc = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
+        acc0 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
+        acc1 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
         for _ in range(first, last):
             s = it % STAGES
             part = sm90_first_mma(a_bufs, b_bufs, ready, turn, it, mma, WG, ORDERED)
-            sa = sa_bufs.index(s).slice(WG * WG_ROWS, WG_ROWS).load(gl.SliceLayout(1, mma))
-            sb = sb_bufs.index(s).load(gl.SliceLayout(0, mma))
+            sa = sa_bufs.index(s).slice(WG * WG_ROWS, WG_ROWS).load(rows_layout)
+            sb = sb_bufs.index(s).slice(0, SM90_BLOCK).load(cols_layout)
             part = warpgroup_mma_wait(0, deps=(part,))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc = part * sa[:, None] * sb[None, :] + acc
+            if HALVES == 1:
+                mbarrier.arrive(empty.index(s), count=1)
+            acc0 = part * sa[:, None] * sb[None, :] + acc0
+            if HALVES == 2:
+                # (Threading acc0 through a wait keeps ptxas from starting the second MMA before the
+                # first promotion, which would hold both partials: 256 registers, spills.)
+                acc0 = warpgroup_mma_wait(0, deps=(acc0,))
+                part = sm90_mma(a_bufs, b_bufs, s, mma, WG, 1)
+                sb = sb_bufs.index(s).slice(SM90_BLOCK, SM90_BLOCK).load(cols_layout)
+                part = warpgroup_mma_wait(0, deps=(part,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc1 = part * sa[:, None] * sb[None, :] + acc1
             it += 1
-        sm90_store(out_desc, out_s, acc, e * N + pid_n * SM90_BLOCK + WG * WG_ROWS, pid_k * SM90_BLOCK)
+        row = e * N + pid_n * SM90_BLOCK + WG * WG_ROWS
+        sm90_store(out_desc, out_s, acc0, row, pid_k * BLOCK_N)
+        if HALVES == 2:
+            sm90_store(out_desc, out_s, acc1, row, pid_k * BLOCK_N + SM90_BLOCK)
     tma.store_wait(0)
 
 
@@ -298,8 +332,8 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
 ):
     """Warp-specialized persistent blockwise FP8 grouped weight-gradient GEMM (Hopper).
 
-    a_desc: dY^T ``[N, M]`` E4M3, 128x128 boxes; b_desc: X^T ``[K, M]`` E4M3, 128x128 boxes;
-    sa_desc / sb_desc: their scales ``[M/128, N]`` / ``[M/128, K]`` fp32 flattened, 128 boxes; out_desc:
+    a_desc: dY^T ``[N, M]`` E4M3, 128x128 boxes; b_desc: X^T ``[K, M]`` E4M3, BLOCK_Nx128 boxes;
+    sa_desc / sb_desc: their scales ``[M/128, N]`` / ``[M/128, K]`` fp32 flattened, 128 / BLOCK_N boxes; out_desc:
     ``[E * N, K]`` (the ``[E, N, K]`` output flattened), 64x128 boxes; ends ``[E]`` int32.
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -333,27 +367,25 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
 ) -> torch.Tensor:
     """Gluon launcher (Hopper GPUs only). Same contract as :func:`grouped_gemm_fp8_wgrad`.
 
-    ``config`` pins the launch settings (tests, sweeps); by default ``SM90_WGRAD_CONFIGS[0]``.
+    ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_wgrad_default_config`.
     """
-    config = config or SM90_WGRAD_CONFIGS[0]
     n, m = a_t.shape
     k = b_t.shape[0]
     e = group_end_offsets.shape[0]
-    if config.block_n != BLOCK:
-        raise ValueError(f"{config}: the sm90 wgrad kernel takes 128-wide tiles only")
-    check_sm90_launch(a_t.device, config, k, out_dtype, _SCALE_BYTES_PER_STAGE)
+    config = config or sm90_wgrad_default_config(k)
+    check_sm90_launch(a_t.device, config, k, out_dtype, (BLOCK + config.block_n) * 4)
     if m == 0:
         return torch.zeros((e, n, k), dtype=out_dtype, device=a_t.device)
     for name, t in (("a_t", a_t), ("b_t", b_t), ("a_t_scale", a_t_scale), ("b_t_scale", b_t_scale)):
         check_tma_operand(name, t)
     out = torch.empty((e, n, k), dtype=out_dtype, device=a_t.device)
-    tiles = e * (n // BLOCK) * (k // BLOCK)
+    tiles = e * (n // BLOCK) * (k // config.block_n)
     _grouped_gemm_fp8_wgrad_sm90_kernel[(min(tiles, sm_count(a_t.device)),)](
         descriptor(a_t, (BLOCK, BLOCK)),
-        descriptor(b_t, (BLOCK, BLOCK)),
-        # The scales as flat vectors: a 1-D box of one block's 128 scales lands as a 1-D ring slot.
+        descriptor(b_t, (config.block_n, BLOCK)),
+        # The scales as flat vectors: a 1-D box of one block's scales lands as a 1-D ring slot.
         descriptor(a_t_scale.view(-1), (BLOCK,)),
-        descriptor(b_t_scale.view(-1), (BLOCK,)),
+        descriptor(b_t_scale.view(-1), (config.block_n,)),
         descriptor(out.view(e * n, k), (64, BLOCK)),
         group_end_offsets,
         m,
@@ -374,9 +406,9 @@ def build_sm90_wgrad_kernel(config: Sm90Config, out_dtype: torch.dtype) -> Any:
     fp8 = torch.float8_e4m3fn
     signature = {
         "a_desc": descriptor_signature((BLOCK, BLOCK), fp8),
-        "b_desc": descriptor_signature((BLOCK, BLOCK), fp8),
+        "b_desc": descriptor_signature((config.block_n, BLOCK), fp8),
         "sa_desc": descriptor_signature((BLOCK,), torch.float32),
-        "sb_desc": descriptor_signature((BLOCK,), torch.float32),
+        "sb_desc": descriptor_signature((config.block_n,), torch.float32),
         "out_desc": descriptor_signature((64, BLOCK), out_dtype),
         "ends_ptr": "*i32",
         **dict.fromkeys(("M", "N", "K", "E"), "i32"),
