@@ -216,7 +216,7 @@ def test_sm90_refuses_bad_configs(n, config, match):
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
 def test_sm90_default_config_fits_and_prefers_wide_tiles(out_dtype):
     for n in (128, 384, 256, 7168):
-        config = mod.sm90_default_config(n, out_dtype)
+        config = mod.sm90_default_config(n)
         assert n % config.block_n == 0 and mod.sm90_smem_bytes(config, out_dtype) <= SM90_SMEM_BYTES
         assert config.block_n == (256 if n % 256 == 0 else 128) and config in mod.SM90_CONFIGS
 

@@ -6,19 +6,20 @@ K-major ``[E, N, K]`` with 128x128 scales ``[E, N/128, K/128]``. For dgrad the c
 exact FP8 transpose of the forward weight (``[E, K, N]`` data, ``[E, K/128, N/128]`` scales: 128x128
 blocks are symmetric under transpose), so the same op serves both.
 
-Two kernels share one contract. Both walk (128-row M tile, 128-column N tile) pairs on a persistent
+Two kernels share one contract. Both walk (128-row M tile, N tile) pairs on a persistent
 grid; groups start on multiples of 128, so an M tile never straddles two experts, and each tile finds
 its expert from the group end offsets on the device (no host sync). Operands arrive by TMA; per
 128-wide K block the tensor-core partial product is promoted into the fp32 accumulator with
 ``scale_a[m] * scale_b`` (the per-128-K promotion that keeps FP8 accumulation error bounded). Tiles at
 or past the last group end read nothing and store zeros, so the whole output is defined.
 
-* ``sm90`` (Gluon, Hopper only, the CUDA default there): warp-specialized. One producer warp issues
-  the TMA loads into a ring of ``stages`` shared-memory slots; two consumer warpgroups each own 64
-  rows of the tile and release a slot on their own mbarrier arrival. Nothing locks the two consumers
-  together, so one's promotion (FFMAs on the CUDA cores) runs under the other's MMAs -- the overlap
-  the Triton kernel cannot express (its CTA-wide barriers and wait-for-every-MMA promotion serialize
-  the tensor cores; benchmarks/results/grouped_gemm_notes.md).
+* ``sm90`` (Gluon, Hopper only, the CUDA default there): warp-specialized (``_sm90_common``). One
+  producer warp issues the TMA loads into a ring of ``stages`` shared-memory slots; two consumer
+  warpgroups each own 64 rows of a 128x256 (or 128x128) tile and release a slot on their own
+  mbarrier arrival, consumer 1 issuing each block's MMA after consumer 0, so one's promotion (FFMAs
+  on the CUDA cores) runs under the other's MMAs -- the overlap the Triton kernel cannot express
+  (its CTA-wide barriers and wait-for-every-MMA promotion serialize the tensor cores;
+  benchmarks/results/grouped_gemm_notes.md).
 * ``triton`` (``tl.dot``): any TMA-capable GPU and the CPU interpreter; autotuned.
 """
 
@@ -377,11 +378,11 @@ def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype) -> int:
     return config.smem_bytes(out_dtype)
 
 
-def sm90_default_config(n: int, out_dtype: torch.dtype) -> Sm90Config:
+def sm90_default_config(n: int) -> Sm90Config:
     """The config the op runs with for ``N`` output columns: a fixed rule from the sweep, no timing at
     run time (so nothing re-tunes when routing changes M). 128x256 tiles where N allows (a quarter
     less L2->SM traffic per FLOP than 128x128: +3-7% on the anchor shapes), 3 stages (4 measured
-    the same, and 3 leave room for fp32 output), consumers ordered (+1-7% at 128x256 on all six
+    the same, and 3 leave room for fp32 output: both output dtypes fit), consumers ordered (+1-7% at 128x256 on all six
     anchor cases; -1-5% at 128x128); 128x128 tiles, unordered, otherwise."""
     return SM90_CONFIGS[0] if n % 256 == 0 else SM90_CONFIGS[1]
 
@@ -399,7 +400,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
 
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_default_config`.
     """
-    config = config or sm90_default_config(b.shape[1], out_dtype)
+    config = config or sm90_default_config(b.shape[1])
     check_sm90_launch(a.device, config, b.shape[1], out_dtype)
     out, (m, n, k, e) = _output_and_dims(a, b, out_dtype)
     if m == 0:

@@ -12,9 +12,9 @@ grid, each tile reading its expert's rows from the group end offsets on the devi
 An empty expert runs no block and stores zeros.
 
 * ``sm90`` (Gluon, Hopper only, the CUDA default there): warp-specialized like the forward's sm90
-  kernel (``_sm90_common``): a producer warp loads the operand tiles AND each block's two scale
-  rows by TMA into the ring, so the consumers read scales from shared memory -- no global-load
-  latency in the promotion, no prefetch registers.
+  kernel (``_sm90_common``), 128x256 (or 128x128) tiles: a producer warp loads the operand tiles
+  AND each block's two scale rows by TMA into the ring, so the consumers read scales from shared
+  memory right before each promotion -- no global-load latency, no prefetch registers.
 * ``triton`` (``tl.dot``): any TMA-capable GPU and the CPU interpreter; autotuned.
 """
 
