@@ -307,6 +307,8 @@ def _sm90_consumer(
                 mbarrier.arrive(empty.index(s), count=1)
             acc0 = part * (sa * sb0)[:, None] + acc0
             if HALVES == 2:
+                # (Threading acc0 through a wait keeps ptxas from starting the second MMA before the
+                # first promotion, which would hold both partials: 256 registers, spills.)
                 acc0 = warpgroup_mma_wait(0, deps=(acc0,))
                 part = sm90_mma(a_bufs, b_bufs, s, mma, WG, 1)
                 part = warpgroup_mma_wait(0, deps=(part,))
@@ -349,8 +351,8 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     """Warp-specialized persistent blockwise FP8 grouped GEMM (Hopper).
 
     a_desc: ``[M, K]`` E4M3 rows, 128x128 boxes; b_desc: ``[E * N, K]`` E4M3 (the ``[E, N, K]``
-    weights flattened), 128x128 boxes; out_desc: ``[M, N]``, 64x128 boxes (one per consumer);
-    a_scale ``[M, K/128]`` (row stride ``stride_as``), b_scale ``[E, N/128, K/128]`` contiguous,
+    weights flattened), BLOCK_N x 128 boxes (BLOCK_N 128 or 256); out_desc: ``[M, N]``, 64x128
+    boxes (one per consumer and half); a_scale ``[M, K/128]`` (row stride ``stride_as``), b_scale ``[E, N/128, K/128]`` contiguous,
     ends ``[E]`` int32. Partitions: two consumer warpgroups (the default one and a worker, 232
     registers each) and one producer warp (40 registers).
     """
