@@ -235,6 +235,16 @@ def test_autotune_keys_are_kernel_arguments():
     assert set(tuned.keys) <= set(tuned.fn.arg_names)
 
 
+def test_cuda_kernel_picks_the_launcher_by_device():
+    """The op's CUDA kernel is the sm90 launcher on Hopper and the Triton one elsewhere (here: the
+    interpreter on the CPU), bit for bit."""
+    a, a_scale, offsets = make_rows([128, 0, 256], 256)
+    b, b_scale = make_weights(3, 128, 256)
+    args = (a, a_scale, b, b_scale, offsets, torch.float32)
+    expected = LAUNCHERS["sm90" if conftest.IS_HOPPER else "triton"](*args)
+    assert torch.equal(mod.launch_grouped_gemm_fp8_blockwise(*args), expected)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_op_dispatch_and_compile(out_dtype):
     a, a_scale, offsets = make_rows([128, 0, 256], 256)

@@ -186,6 +186,14 @@ def test_autotune_keys_are_kernel_arguments():
     assert set(tuned.keys) <= set(tuned.fn.arg_names)
 
 
+def test_cuda_kernel_picks_the_launcher_by_device():
+    """The op's CUDA kernel is the sm90 launcher on Hopper and the Triton one elsewhere (here: the
+    interpreter on the CPU), bit for bit."""
+    args = (*make_operands([128, 0, 256], 128, 256), torch.float32)
+    expected = LAUNCHERS["sm90" if conftest.IS_HOPPER else "triton"](*args)
+    assert torch.equal(mod.launch_grouped_gemm_fp8_wgrad(*args), expected)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_op_dispatch_and_compile(out_dtype):
     counts = [128, 0, 256]

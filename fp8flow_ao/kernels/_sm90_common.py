@@ -11,6 +11,7 @@ the CUDA cores) runs under the other's MMAs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # Shared memory one CTA may use on Hopper (227 KiB), for the stage-count check.
 SM90_SMEM_BYTES = 227 * 1024
-_GL_DTYPE_NAMES = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
 @dataclass(frozen=True)
@@ -53,17 +54,8 @@ class Sm90Config:
     def smem_bytes(self, out_dtype: torch.dtype, scale_bytes_per_stage: int = 0) -> int:
         """Shared memory of one CTA: the operand ring (plus any scales carried in it) and two
         64x128 output staging tiles."""
-        out_bytes = 2 * 64 * BLOCK * torch.empty((), dtype=out_dtype).element_size()
+        out_bytes = 2 * 64 * BLOCK * out_dtype.itemsize
         return self.stages * ((BLOCK + self.block_n) * BLOCK + scale_bytes_per_stage) + out_bytes
-
-
-@gluon.jit
-def sm90_tile(tile, num_m, num_n, GROUP_M: gl.constexpr):
-    """Tile index -> ``(pid_m, pid_n)``, ``GROUP_M`` rows of tiles together (as ``grouped_tile``)."""
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    rows_in_group = gl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % rows_in_group, (tile % per_group) // rows_in_group
 
 
 @gluon.jit
@@ -120,6 +112,16 @@ def sm90_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
+def sm90_or(sm90_launcher: Callable[..., Any], other_launcher: Callable[..., Any]) -> Callable[..., Any]:
+    """An op's CUDA kernel: ``sm90_launcher`` where the first argument lives on a Hopper GPU,
+    ``other_launcher`` (the Triton kernel) on any other GPU. Both take the op's arguments."""
+
+    def launch(*args: Any, **kwargs: Any) -> Any:
+        return (sm90_launcher if sm90_supported(args[0].device) else other_launcher)(*args, **kwargs)
+
+    return launch
+
+
 def check_sm90_launch(
     device: torch.device, config: Sm90Config, n: int, out_dtype: torch.dtype, scale_bytes_per_stage: int = 0
 ) -> None:
@@ -138,8 +140,7 @@ def check_sm90_launch(
 
 @functools.cache
 def _nvmma_layout(shape: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(shape), gl_dtype)
+    return gl.NVMMASharedLayout.get_default_for(list(shape), _GL_DTYPES[dtype])
 
 
 def descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor:
@@ -150,7 +151,7 @@ def descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor:
 def descriptor_signature(block: tuple[int, ...], dtype: torch.dtype) -> str:
     """The signature type a launch with ``descriptor(t, block)`` specializes the kernel on."""
     dims = ", ".join(map(str, block))
-    return f"tensordesc<{_GL_DTYPE_NAMES[dtype]}[{dims}],{_nvmma_layout(block, dtype)!r}>"
+    return f"tensordesc<{_GL_DTYPES[dtype]}[{dims}],{_nvmma_layout(block, dtype)!r}>"
 
 
 def compile_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> Any:

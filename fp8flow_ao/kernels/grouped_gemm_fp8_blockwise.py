@@ -68,10 +68,9 @@ from fp8flow_ao.kernels._sm90_common import (
     descriptor_signature,
     sm90_first_mma,
     sm90_mma,
+    sm90_or,
     sm90_ring_barriers,
     sm90_store,
-    sm90_supported,
-    sm90_tile,
     tma_load,
 )
 
@@ -222,7 +221,8 @@ SM90_CONFIGS = [
 
 @gluon.jit
 def _sm90_expert_of_row(ends_ptr, row, E, E_POW2: gl.constexpr, WARPS: gl.constexpr):
-    """Expert owning ``row`` (as :func:`expert_of_row`), clamped to ``E - 1``."""
+    """Expert owning ``row``, clamped to ``E - 1``: :func:`expert_of_row` with the explicit layout
+    Gluon needs (the Triton helpers without tensors, ``grouped_tile``, Gluon calls as they are)."""
     offs = gl.arange(0, E_POW2, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     ends = gl.load(ends_ptr + offs, mask=offs < E, other=2147483647)
     return gl.minimum(gl.sum((ends <= row).to(gl.int32), axis=0), E - 1)
@@ -246,7 +246,7 @@ def _sm90_producer(E_POW2: gl.constexpr, GROUP_M: gl.constexpr, a_desc, b_desc, 
     live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E, BLOCK_N)
     it = 0
     for tile in range(gl.program_id(0), live_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = sm90_tile(tile, live_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, live_m, num_n, GROUP_M)
         e = _sm90_expert_of_row(ends_ptr, pid_m * SM90_BLOCK, E, E_POW2, 1)
         for kb in range(K // SM90_BLOCK):
             s = it % STAGES
@@ -281,7 +281,7 @@ def _sm90_consumer(
     k_blocks = K // SM90_BLOCK
     it = 0
     for tile in range(gl.program_id(0), live_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = sm90_tile(tile, live_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, live_m, num_n, GROUP_M)
         e = _sm90_expert_of_row(ends_ptr, pid_m * SM90_BLOCK, E, E_POW2, 4)
         m0 = pid_m * SM90_BLOCK + WG * WG_ROWS
         rows = m0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, mma))
@@ -453,19 +453,11 @@ def build_sm90_kernel(config: Sm90Config, out_dtype: torch.dtype, num_experts: i
     return compile_for_sm90(_grouped_gemm_fp8_blockwise_sm90_kernel, signature, constexprs)
 
 
-def launch_grouped_gemm_fp8_blockwise(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    group_end_offsets: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """The op's CUDA kernel: the sm90 Gluon kernel on Hopper, the Triton kernel on other GPUs."""
-    launcher = (
-        launch_grouped_gemm_fp8_blockwise_sm90 if sm90_supported(a.device) else launch_grouped_gemm_fp8_blockwise_triton
-    )
-    return launcher(a, a_scale, b, b_scale, group_end_offsets, out_dtype)
+# The op's CUDA kernel (same contract as :func:`grouped_gemm_fp8_blockwise`): the sm90 Gluon kernel on
+# Hopper, the Triton kernel on other GPUs.
+launch_grouped_gemm_fp8_blockwise = sm90_or(
+    launch_grouped_gemm_fp8_blockwise_sm90, launch_grouped_gemm_fp8_blockwise_triton
+)
 
 
 def _expert_of_rows(group_end_offsets: torch.Tensor, m: int) -> torch.Tensor:

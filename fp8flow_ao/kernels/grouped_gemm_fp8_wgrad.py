@@ -62,10 +62,9 @@ from fp8flow_ao.kernels._sm90_common import (
     descriptor_signature,
     sm90_first_mma,
     sm90_mma,
+    sm90_or,
     sm90_ring_barriers,
     sm90_store,
-    sm90_supported,
-    sm90_tile,
     tma_load,
 )
 
@@ -227,13 +226,15 @@ def _wgrad_tile(tile, N, K, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
     """Tile index -> ``(expert, pid_n, pid_k)``: experts one after another, ``GROUP_M`` N tiles together."""
     num_n = N // SM90_BLOCK
     num_k = K // BLOCK_N
-    pid_n, pid_k = sm90_tile(tile % (num_n * num_k), num_n, num_k, GROUP_M)
+    pid_n, pid_k = grouped_tile(tile % (num_n * num_k), num_n, num_k, GROUP_M)
     return tile // (num_n * num_k), pid_n, pid_k
 
 
 @gluon.jit
 def _wgrad_blocks(ends_ptr, e, M):
-    """``[first, last)`` 128-token blocks of expert ``e`` (clamped to the tokens that exist)."""
+    """``[first, last)`` 128-token blocks of expert ``e`` (clamped to the tokens that exist). The
+    arithmetic twin of :func:`group_rows`'s masked load, kept because the masked form changes the
+    compiled kernel and this one is the form measured on the GPU."""
     start = gl.load(ends_ptr + gl.maximum(e - 1, 0)) * (e > 0).to(gl.int32)
     end = gl.minimum(gl.load(ends_ptr + e), M)
     return start // SM90_BLOCK, end // SM90_BLOCK
@@ -418,18 +419,9 @@ def build_sm90_wgrad_kernel(config: Sm90Config, out_dtype: torch.dtype) -> Any:
     return compile_for_sm90(_grouped_gemm_fp8_wgrad_sm90_kernel, signature, constexprs)
 
 
-def launch_grouped_gemm_fp8_wgrad(
-    a_t: torch.Tensor,
-    a_t_scale: torch.Tensor,
-    b_t: torch.Tensor,
-    b_t_scale: torch.Tensor,
-    group_end_offsets: torch.Tensor,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """The op's CUDA kernel: the sm90 Gluon kernel on Hopper, the Triton kernel on other GPUs."""
-    if sm90_supported(a_t.device):
-        return launch_grouped_gemm_fp8_wgrad_sm90(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
-    return launch_grouped_gemm_fp8_wgrad_triton(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
+# The op's CUDA kernel (same contract as :func:`grouped_gemm_fp8_wgrad`): the sm90 Gluon kernel on
+# Hopper, the Triton kernel on other GPUs.
+launch_grouped_gemm_fp8_wgrad = sm90_or(launch_grouped_gemm_fp8_wgrad_sm90, launch_grouped_gemm_fp8_wgrad_triton)
 
 
 def _dequantize_columns(data_t: torch.Tensor, scale_t: torch.Tensor) -> torch.Tensor:
