@@ -122,14 +122,11 @@ def sm90_or(sm90_launcher: Callable[..., Any], other_launcher: Callable[..., Any
     return launch
 
 
-def check_sm90_launch(
-    device: torch.device, config: Sm90Config, n: int, out_dtype: torch.dtype, scale_bytes_per_stage: int = 0
-) -> None:
-    """Clear errors before any launch: a tile width that does not divide ``n``, a ring that does not
-    fit in shared memory, a device without wgmma."""
+def check_sm90_launch(device: torch.device, config: Sm90Config, n: int, out_dtype: torch.dtype, smem: int) -> None:
+    """Clear errors before any launch: a tile width that does not divide ``n``, a kernel whose
+    shared memory (``smem`` bytes, the op's ``sm90_smem_bytes``) does not fit, a device without wgmma."""
     if config.block_n not in (128, 256) or n % config.block_n:
         raise ValueError(f"{config}: block_n must be 128 or 256 and divide the output width {n}")
-    smem = config.smem_bytes(out_dtype, scale_bytes_per_stage)
     if smem > SM90_SMEM_BYTES:
         raise ValueError(
             f"{config} needs {smem} bytes of shared memory with {out_dtype} out, more than Hopper's {SM90_SMEM_BYTES}"

@@ -403,7 +403,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_default_config`.
     """
     config = config or sm90_default_config(b.shape[1])
-    check_sm90_launch(a.device, config, b.shape[1], out_dtype)
+    check_sm90_launch(a.device, config, b.shape[1], out_dtype, sm90_smem_bytes(config, out_dtype))
     out, (m, n, k, e) = _output_and_dims(a, b, out_dtype)
     if m == 0:
         return out

@@ -144,6 +144,21 @@ def _grouped_gemm_fp8_wgrad_kernel(
 _grouped_gemm_fp8_wgrad_tuned = autotuned(WGRAD_CONFIGS)(_grouped_gemm_fp8_wgrad_kernel)
 
 
+def _output_and_dims(
+    a_t: torch.Tensor, b_t: torch.Tensor, group_end_offsets: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """Both launchers' start: the output (zeros when there are no tokens, else uninitialized),
+    ``(M, N, K, E)``, and the operands' TMA checks when M > 0."""
+    n, m = a_t.shape
+    k = b_t.shape[0]
+    e = group_end_offsets.shape[0]
+    if m == 0:
+        return torch.zeros((e, n, k), dtype=out_dtype, device=a_t.device), (m, n, k, e)
+    check_tma_operand("a_t", a_t)
+    check_tma_operand("b_t", b_t)
+    return torch.empty((e, n, k), dtype=out_dtype, device=a_t.device), (m, n, k, e)
+
+
 def launch_grouped_gemm_fp8_wgrad_triton(
     a_t: torch.Tensor,
     a_t_scale: torch.Tensor,
@@ -158,14 +173,9 @@ def launch_grouped_gemm_fp8_wgrad_triton(
     ``config`` pins one launch config (tests, config sweeps); by default the GPU autotunes over
     :data:`WGRAD_CONFIGS` and the interpreter runs :data:`INTERPRET_CONFIG`.
     """
-    n, m = a_t.shape
-    k = b_t.shape[0]
-    e = group_end_offsets.shape[0]
+    out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype)
     if m == 0:
-        return torch.zeros((e, n, k), dtype=out_dtype, device=a_t.device)
-    out = torch.empty((e, n, k), dtype=out_dtype, device=a_t.device)
-    check_tma_operand("a_t", a_t)
-    check_tma_operand("b_t", b_t)
+        return out
     set_tma_workspace_allocator(a_t.device)
     grid = persistent_grid(
         a_t.device, lambda meta: e * triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"])
@@ -370,16 +380,14 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
 
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_wgrad_default_config`.
     """
-    n, m = a_t.shape
     k = b_t.shape[0]
-    e = group_end_offsets.shape[0]
     config = config or sm90_wgrad_default_config(k)
-    check_sm90_launch(a_t.device, config, k, out_dtype, (BLOCK + config.block_n) * 4)
+    check_sm90_launch(a_t.device, config, k, out_dtype, sm90_smem_bytes(config, out_dtype))
+    out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype)
     if m == 0:
-        return torch.zeros((e, n, k), dtype=out_dtype, device=a_t.device)
-    for name, t in (("a_t", a_t), ("b_t", b_t), ("a_t_scale", a_t_scale), ("b_t_scale", b_t_scale)):
-        check_tma_operand(name, t)
-    out = torch.empty((e, n, k), dtype=out_dtype, device=a_t.device)
+        return out
+    check_tma_operand("a_t_scale", a_t_scale)  # the scales arrive by TMA too
+    check_tma_operand("b_t_scale", b_t_scale)
     tiles = e * (n // BLOCK) * (k // config.block_n)
     _grouped_gemm_fp8_wgrad_sm90_kernel[(min(tiles, sm_count(a_t.device)),)](
         descriptor(a_t, (BLOCK, BLOCK)),
