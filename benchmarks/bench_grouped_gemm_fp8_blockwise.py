@@ -90,17 +90,25 @@ def ours(p: dict, which: str, config=None, kernel: str = "op") -> tuple[Callable
     from fp8flow_ao.kernels import grouped_gemm_fp8_wgrad as wgrad
 
     if which == "wgrad":
-        mod, name = wgrad, "launch_grouped_gemm_fp8_wgrad"
+        op, sm90, tl_dot = (
+            wgrad.launch_grouped_gemm_fp8_wgrad,
+            wgrad.launch_grouped_gemm_fp8_wgrad_sm90,
+            wgrad.launch_grouped_gemm_fp8_wgrad_triton,
+        )
         args = (p["dyt8"], p["dyts"], p["xt8"], p["xts"], p["offs"], torch.bfloat16)
     else:
-        mod, name = fwd, "launch_grouped_gemm_fp8_blockwise"
+        op, sm90, tl_dot = (
+            fwd.launch_grouped_gemm_fp8_blockwise,
+            fwd.launch_grouped_gemm_fp8_blockwise_sm90,
+            fwd.launch_grouped_gemm_fp8_blockwise_triton,
+        )
         a, sa, b, sb = (
             (p["x8"], p["xs"], p["w8"], p["ws"]) if which == "forward" else (p["dy8"], p["dys"], p["wt8"], p["wts"])
         )
         args = (a, sa, b, sb, p["offs"], torch.bfloat16)
     if config is None:
-        return getattr(mod, name + ("_triton" if kernel == "triton" else "")), args
-    launcher = getattr(mod, name + ("_triton" if isinstance(config, triton.Config) else "_sm90"))
+        return (tl_dot if kernel == "triton" else op), args
+    launcher = tl_dot if isinstance(config, triton.Config) else sm90
     return lambda *a: launcher(*a, config=config), args
 
 

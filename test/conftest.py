@@ -99,13 +99,13 @@ if INTERPRETING:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
-    config.addinivalue_line("markers", "sm90: needs a Hopper (sm_90) GPU (skipped elsewhere)")
+    config.addinivalue_line("markers", "sm90: needs compute capability 9.0 or newer (skipped elsewhere)")
     config.addinivalue_line("markers", "hopper: needs exactly a Hopper GPU, compute capability 9.x (skipped elsewhere)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    skip_sm90 = pytest.mark.skip(reason="needs a Hopper (sm_90) GPU")
+    skip_sm90 = pytest.mark.skip(reason="needs compute capability 9.0 or newer")
     skip_hopper = pytest.mark.skip(reason="needs a Hopper GPU (compute capability 9.x)")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
