@@ -19,7 +19,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp8flow_ao._format import BLOCK
@@ -96,6 +102,24 @@ def sm90_first_mma(a_bufs, b_bufs, ready, turn, it, layout: gl.constexpr, WG: gl
     if ORDERED and WG == 0:
         mbarrier.arrive(turn.index(s), count=1)
     return part
+
+
+@gluon.jit
+def sm90_second_mma(a_bufs, b_bufs, s, first_acc, layout: gl.constexpr, WG: gl.constexpr):
+    """Start ring slot ``s``'s second MMA (B half 1) once ``first_acc``, the accumulator the first
+    half was just promoted into, exists; returns ``(first_acc, token)``. Threading ``first_acc``
+    through a wait keeps ptxas from hoisting this MMA above that promotion, which would hold both
+    partials live (256 registers: spills)."""
+    first_acc = warpgroup_mma_wait(0, deps=(first_acc,))
+    return first_acc, sm90_mma(a_bufs, b_bufs, s, layout, WG, 1)
+
+
+@gluon.jit
+def sm90_store_halves(out_desc, out_s, acc0, acc1, row, col, HALVES: gl.constexpr):
+    """TMA-store a tile's one or two 64x128 halves (``acc1`` only when ``HALVES == 2``)."""
+    sm90_store(out_desc, out_s, acc0, row, col)
+    if HALVES == 2:
+        sm90_store(out_desc, out_s, acc1, row, col + SM90_BLOCK)
 
 
 @gluon.jit

@@ -67,10 +67,11 @@ from fp8flow_ao.kernels._sm90_common import (
     descriptor,
     descriptor_signature,
     sm90_first_mma,
-    sm90_mma,
     sm90_or,
     sm90_ring_barriers,
+    sm90_second_mma,
     sm90_store,
+    sm90_store_halves,
     tma_load,
 )
 
@@ -307,10 +308,7 @@ def _sm90_consumer(
                 mbarrier.arrive(empty.index(s), count=1)
             acc0 = part * (sa * sb0)[:, None] + acc0
             if HALVES == 2:
-                # (Threading acc0 through a wait keeps ptxas from starting the second MMA before the
-                # first promotion, which would hold both partials: 256 registers, spills.)
-                acc0 = warpgroup_mma_wait(0, deps=(acc0,))
-                part = sm90_mma(a_bufs, b_bufs, s, mma, WG, 1)
+                acc0, part = sm90_second_mma(a_bufs, b_bufs, s, acc0, mma, WG)
                 part = warpgroup_mma_wait(0, deps=(part,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = part * (sa * sb1)[:, None] + acc1
@@ -318,9 +316,7 @@ def _sm90_consumer(
             sb0 = sb0_next
             sb1 = sb1_next
             it += 1
-        sm90_store(out_desc, out_s, acc0, m0, pid_n * BLOCK_N)
-        if HALVES == 2:
-            sm90_store(out_desc, out_s, acc1, m0, pid_n * BLOCK_N + SM90_BLOCK)
+        sm90_store_halves(out_desc, out_s, acc0, acc1, m0, pid_n * BLOCK_N, HALVES)
     # Tiles at or past the last group end: zeros, so the whole output is defined; nothing is read.
     zero = gl.zeros([WG_ROWS, SM90_BLOCK], out_desc.dtype, mma)
     for tile in range(live_m * num_n + gl.program_id(0), num_m * num_n, gl.num_programs(0)):

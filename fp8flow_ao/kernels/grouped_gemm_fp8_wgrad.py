@@ -61,10 +61,10 @@ from fp8flow_ao.kernels._sm90_common import (
     descriptor,
     descriptor_signature,
     sm90_first_mma,
-    sm90_mma,
     sm90_or,
     sm90_ring_barriers,
-    sm90_store,
+    sm90_second_mma,
+    sm90_store_halves,
     tma_load,
 )
 
@@ -309,19 +309,14 @@ def _wgrad_consumer(WG: gl.constexpr, GROUP_M: gl.constexpr, ORDERED: gl.constex
                 mbarrier.arrive(empty.index(s), count=1)
             acc0 = part * sa[:, None] * sb[None, :] + acc0
             if HALVES == 2:
-                # (Threading acc0 through a wait keeps ptxas from starting the second MMA before the
-                # first promotion, which would hold both partials: 256 registers, spills.)
-                acc0 = warpgroup_mma_wait(0, deps=(acc0,))
-                part = sm90_mma(a_bufs, b_bufs, s, mma, WG, 1)
+                acc0, part = sm90_second_mma(a_bufs, b_bufs, s, acc0, mma, WG)
                 sb = sb_bufs.index(s).slice(SM90_BLOCK, SM90_BLOCK).load(cols_layout)
                 part = warpgroup_mma_wait(0, deps=(part,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = part * sa[:, None] * sb[None, :] + acc1
             it += 1
         row = e * N + pid_n * SM90_BLOCK + WG * WG_ROWS
-        sm90_store(out_desc, out_s, acc0, row, pid_k * BLOCK_N)
-        if HALVES == 2:
-            sm90_store(out_desc, out_s, acc1, row, pid_k * BLOCK_N + SM90_BLOCK)
+        sm90_store_halves(out_desc, out_s, acc0, acc1, row, pid_k * BLOCK_N, HALVES)
     tma.store_wait(0)
 
 
