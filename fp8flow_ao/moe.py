@@ -31,7 +31,10 @@ swapped for a subclass whose ``forward`` runs this path; parameters, buffers, su
 
 from __future__ import annotations
 
+import sys
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fp8flow_ao._checks import check_multiple, check_row_major, check_same_device, check_tensor
@@ -43,6 +46,7 @@ from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
 from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose
 from fp8flow_ao.kernels.swiglu_quant import swiglu_quant, swiglu_quant_backward
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
+from fp8flow_ao.parallel.expert_parallel import combine, combine_probs_grad, dispatch, plan_dispatch
 
 _HP_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -78,11 +82,19 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
     """Routed experts of one MoE layer, top-k combine included: ``[T, D]`` tokens -> ``[T, D]`` output."""
 
     @staticmethod
-    def forward(ctx, x, probs, expert_indices, w1, w2, w3, recompute):
-        num_experts, top_k = w1.shape[0], expert_indices.shape[1]
+    def forward(ctx, x, probs, expert_indices, w1, w2, w3, recompute, ep_group):
+        num_experts, top_k = w1.shape[0], expert_indices.shape[1]  # local experts under EP
         # Cast 1 of 2: x [T, D] -> 1x128 FP8 row-wise, before dispatch; everything after stays FP8.
         x_data, x_scale = quantize_1x128(x)
-        routed = permute_pad(x_data, x_scale, expert_indices, probs.detach(), num_experts)
+        # The expert path's input rows: the tokens themselves (k experts each), or under expert
+        # parallelism the FP8 rows this rank received for its local experts (one expert each).
+        plan, rows_k = None, top_k
+        rows, rows_scale, rows_probs, rows_experts = x_data, x_scale, probs.detach(), expert_indices
+        if ep_group is not None:
+            plan = plan_dispatch(expert_indices, num_experts * dist.get_world_size(ep_group), ep_group)
+            rows, rows_scale, rows_probs = dispatch(x_data, x_scale, plan, probs.detach())
+            rows_experts, rows_k = plan.local_expert, 1
+        routed = permute_pad(rows, rows_scale, rows_experts, rows_probs, num_experts)
         offs = routed.group_end_offsets
         # Weights: 128x128 tiles, forward orientation only. The dgrads' exact transposes are made in
         # backward from the same weights (same bits): keeping FP8 copies of every layer's weights alive
@@ -91,14 +103,16 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         w2_data, w2_scale, _, _ = quantize_128x128(w2.contiguous(), with_transpose=False)
         h, a_data, a_scale = _fc1_swiglu(routed.data, routed.scale_inv, w13_data, w13_scale, routed.probs, offs)
         y = grouped_gemm_fp8_blockwise(a_data, a_scale, w2_data, w2_scale, offs, out_dtype=torch.bfloat16)
-        out = unpermute_unpad(y, routed.dst_rows, top_k)
+        out = unpermute_unpad(y, routed.dst_rows, rows_k)
+        if plan is not None:
+            out = combine(out, plan)
 
         fc1_saved = () if recompute else (h, a_data, a_scale)
         # w1, w2, w3 are the parameters themselves (alive anyway): saving them costs no memory.
         ctx.save_for_backward(
-            x_data, x_scale, routed.probs, routed.src_rows, routed.dst_rows, offs, w1, w2, w3, *fc1_saved
+            rows, rows_scale, routed.probs, routed.src_rows, routed.dst_rows, offs, w1, w2, w3, *fc1_saved
         )
-        ctx.recompute, ctx.top_k = recompute, top_k
+        ctx.recompute, ctx.top_k, ctx.rows_k, ctx.plan = recompute, top_k, rows_k, plan
         ctx.dtypes = (x.dtype, probs.dtype, w1.dtype, w2.dtype, w3.dtype)
         # Return the op's result itself when the dtype already matches: a no-op ``.to`` would hand back an
         # alias of an intermediate, and torch 2.11's dynamo then routes the output's gradient to the
@@ -107,11 +121,11 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_data, x_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, *fc1_saved = ctx.saved_tensors
-        top_k = ctx.top_k
+        rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, *fc1_saved = ctx.saved_tensors
+        top_k, rows_k, plan = ctx.top_k, ctx.rows_k, ctx.plan
         x_dtype, probs_dtype, w1_dtype, w2_dtype, w3_dtype = ctx.dtypes
         # The token rows again, in the forward's padded expert-major order (a gather, no cast).
-        xp, xp_scale = permute_pad_rows(x_data, x_scale, src_rows, top_k)
+        xp, xp_scale = permute_pad_rows(rows, rows_scale, src_rows, rows_k)
         # The weights again: exact transposes for the dgrads (and W13 itself when recomputing FC1).
         w13, w13_scale, w13_t, w13_t_scale = _quantize_w13(w1, w3, with_data=ctx.recompute, with_transpose=True)
         _, _, w2_t, w2_t_scale = quantize_128x128(w2.contiguous(), with_data=False)
@@ -122,7 +136,9 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
 
         # Cast 2 of 2: dy [T, D] -> 1x128 FP8 row-wise, then the same gather as x (the combine's backward).
         dy_data, dy_scale = quantize_1x128(grad_out.contiguous())
-        dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, top_k)
+        if plan is not None:  # to the experts' ranks in FP8, along the forward's routes
+            dy_data, dy_scale, _ = dispatch(dy_data, dy_scale, plan)
+        dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, rows_k)
 
         # FC2 dgrad: da [M, H] = dy @ w2 per expert, RHS = exact FP8 w2^T [E, H, D].
         grad_a = grouped_gemm_fp8_blockwise(dyp, dyp_scale, w2_t, w2_t_scale, offs, out_dtype=torch.bfloat16)
@@ -141,11 +157,25 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         xp_t, xp_t_scale = scaling_aware_transpose(xp, xp_scale, offs)
         grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype)
 
-        # Back to tokens: dx[t] = sum over the token's k rows; grad probs[t, j] = its row's value.
-        grad_x = unpermute_unpad(grad_xp, dst_rows, top_k).to(x_dtype)
-        grad_probs = grad_probs_p.index_select(0, dst_rows).view(-1, top_k).to(probs_dtype)
+        # Back to tokens: dx[t] = sum over the token's k rows; grad probs[t, j] = its row's value. Under
+        # EP the rows return to their tokens' ranks in BF16 first (the k-sum runs there, in fp32).
+        grad_x = unpermute_unpad(grad_xp, dst_rows, rows_k)
+        grad_probs = grad_probs_p.index_select(0, dst_rows)
+        if plan is None:
+            grad_probs = grad_probs.view(-1, top_k)
+        else:
+            grad_x, grad_probs = combine(grad_x, plan), combine_probs_grad(grad_probs, plan)
         grad_w1, grad_w3 = grad_w13.chunk(2, dim=1)
-        return (grad_x, grad_probs, None, grad_w1, grad_w2, grad_w3.to(w3_dtype), None)
+        return (
+            grad_x.to(x_dtype),
+            grad_probs.to(probs_dtype),
+            None,
+            grad_w1,
+            grad_w2,
+            grad_w3.to(w3_dtype),
+            None,
+            None,
+        )
 
 
 def fp8flow_routed_experts(
@@ -156,6 +186,7 @@ def fp8flow_routed_experts(
     w2: torch.Tensor,
     w3: torch.Tensor,
     recompute_experts: bool = False,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """FP8-Flow routed experts with the top-k combine: ``sum_j top_scores[t, j] * expert_j(x[t])``.
 
@@ -170,6 +201,12 @@ def fp8flow_routed_experts(
             ``H`` a multiple of 128.
         recompute_experts: keep only the FP8 ``x`` (+ probs, routing) for backward and recompute
             FC1 + SwiGLU there (bit-identical gradients, less activation memory).
+        ep_group: expert parallelism: the process group over which the experts are split. Then
+            ``w1``, ``w2``, ``w3`` are this rank's ``E_local`` experts (rank ``p`` owns global experts
+            ``[p * E_local, (p + 1) * E_local)``), ``selected_experts_indices`` are global ids in
+            ``[0, E_local * group size)``, and the FP8 rows travel to the experts' ranks and back
+            (:mod:`fp8flow_ao.parallel.expert_parallel`; one host sync per call for the split sizes).
+            Every rank of the group must call this together.
 
     Returns:
         ``[T, D]`` in ``x``'s dtype. Gradients flow to ``x``, ``top_scores``, ``w1``, ``w2``, ``w3``.
@@ -196,7 +233,9 @@ def fp8flow_routed_experts(
             f"{tuple(selected_experts_indices.shape)} must both be [T={x.shape[0]}, k]"
         )
     check_same_device(x=x, top_scores=top_scores, selected_experts_indices=selected_experts_indices, w1=w1)
-    return _FP8FlowRoutedExperts.apply(x, top_scores, selected_experts_indices, w1, w2, w3, bool(recompute_experts))
+    return _FP8FlowRoutedExperts.apply(
+        x, top_scores, selected_experts_indices, w1, w2, w3, bool(recompute_experts), ep_group
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -217,11 +256,20 @@ class FP8FlowGroupedExperts:
     """
 
     fp8flow_recompute_experts: bool = False
+    # Set by fp8flow_ao.parallel.expert_parallel's apply (torchtitan's expert_parallel_degree > 1).
+    fp8flow_ep_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         return fp8flow_routed_experts(
-            x, top_scores, selected_experts_indices, w1, w2, w3, recompute_experts=self.fp8flow_recompute_experts
+            x,
+            top_scores,
+            selected_experts_indices,
+            w1,
+            w2,
+            w3,
+            recompute_experts=self.fp8flow_recompute_experts,
+            ep_group=self.fp8flow_ep_group,
         )
 
 
@@ -313,6 +361,10 @@ def convert_moe_layer(module: nn.Module, recompute_experts: bool = False, fqn: s
     Raises ``ValueError`` (see :func:`check_moe_layer`) for unsupported layers or a second conversion.
     """
     check_moe_layer(module, fqn)
+    if "torchtitan" in sys.modules:  # its expert_parallel_degree must dispatch this layer in FP8
+        from fp8flow_ao.torchtitan.expert_parallel import install
+
+        install()
     _swap_class(module.experts, FP8FlowGroupedExperts)
     module.experts.fp8flow_recompute_experts = bool(recompute_experts)
     _swap_class(module, FP8FlowMoE)

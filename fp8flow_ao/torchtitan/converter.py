@@ -3,6 +3,11 @@
 torchtitan builds the model on the meta device, runs the converters named in ``model.converters``,
 then parallelizes, materializes (``to_empty``) and initializes it; so :meth:`FP8FlowConverter.convert`
 sees a meta-device model and only rewires MoE layers, touching no weight data.
+
+With ``parallelism.expert_parallel_degree > 1`` the converted layers dispatch FP8 token rows over
+torchtitan's EP mesh (:mod:`fp8flow_ao.torchtitan.expert_parallel` replaces its BF16 ``ExpertParallel``
+for them); settings FP8-Flow layers do not support (tensor parallelism, DeepEP, an EP degree that
+does not divide the expert count) raise a ``ValueError`` naming the setting before any step runs.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.model_converter import ModelConverter
 from torchtitan.tools.logging import logger
 
+from fp8flow_ao.torchtitan.expert_parallel import install as install_expert_parallel
+from fp8flow_ao.torchtitan.expert_parallel import unsupported_style_error
 from fp8flow_ao.torchtitan.job_config import FP8Flow
 
 CONVERTER_NAME = "fp8flow"
@@ -26,6 +33,29 @@ def fqn_filter(filter_fqns: Sequence[str]) -> Callable[[nn.Module, str], bool] |
         return None
     skip = tuple(filter_fqns)
     return lambda module, fqn: not any(s in fqn for s in skip)
+
+
+def _check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Refuse, before the model is built, the parallelisms FP8-Flow layers do not support (ValueError)."""
+    parallelism = job_config.parallelism
+    if parallel_dims.tp > 1:
+        raise unsupported_style_error("parallelism.tensor_parallel_degree > 1")
+    if parallel_dims.ep > 1 and parallelism.expert_parallel_comm_backend != "standard":
+        raise unsupported_style_error(
+            f"parallelism.expert_parallel_comm_backend = {parallelism.expert_parallel_comm_backend!r}"
+        )
+
+
+def _check_expert_counts(model: nn.Module, ep_degree: int) -> None:
+    """Every converted layer's expert count must split evenly over the EP ranks (ValueError naming the setting)."""
+    from fp8flow_ao.moe import FP8FlowMoE
+
+    for fqn, module in model.named_modules():
+        if isinstance(module, FP8FlowMoE) and module.experts.w1.shape[0] % ep_degree:
+            raise ValueError(
+                f"fp8flow: parallelism.expert_parallel_degree = {ep_degree} must divide the number of experts "
+                f"of MoE layer {fqn!r} ({module.experts.w1.shape[0]})"
+            )
 
 
 class FP8FlowConverter(ModelConverter):
@@ -47,6 +77,12 @@ class FP8FlowConverter(ModelConverter):
         if options.recipe not in ("blockwise", "rowwise"):
             raise ValueError(f'fp8flow.recipe must be "blockwise" or "rowwise", got {options.recipe!r}')
         self.options = options
+        # parallel_dims is None when the converter is built outside torchtitan's Trainer (one process).
+        self.ep_degree = parallel_dims.ep if parallel_dims is not None else 1
+        if options.recipe == "blockwise":
+            if parallel_dims is not None:
+                _check_parallelism(job_config, parallel_dims)
+            install_expert_parallel()
 
     def config(self):
         """The :class:`~fp8flow_ao.config.FP8FlowConfig` this converter applies."""
@@ -62,6 +98,8 @@ class FP8FlowConverter(ModelConverter):
         from torchao.quantization import quantize_
 
         quantize_(model, self.config())
+        if self.options.recipe == "blockwise":
+            _check_expert_counts(model, self.ep_degree)
         logger.info(
             f"fp8flow: converted the MoE layers to FP8-Flow (recipe={self.options.recipe}, "
             f"recompute_experts={self.options.recompute_experts}, skipped fqns={self.options.filter_fqns})"

@@ -1,0 +1,210 @@
+"""torchtitan on 2 GPUs: FSDP2, expert parallelism (FP8 dispatch), compile, recompute and DCP, BF16 vs FP8-Flow.
+
+Each run is one ``torchrun --nproc_per_node 2`` launch of torchtitan's ``Trainer`` on the shipped
+TOMLs (BF16 and FP8-Flow differ only in ``model.converters``), recording every step's loss (the
+exact float), step times and peak memory. Runs (``--runs``; ``bash .ci/gpu OUT multigpu`` runs them):
+
+* ``fsdp`` / ``ep``: 50 steps of the debug model, ``data_parallel_shard_degree 2`` without / with
+  ``expert_parallel_degree 2`` (EP borrows the FSDP ranks, so ``ep`` is EP=2 x FSDP=2); deterministic
+  kernels; ``ep`` saves a DCP checkpoint at step 25. Goal: FP8-Flow's losses within 0.5% of BF16's.
+* ``resume``: FP8-Flow EP=2 restarted from the ``ep`` run's step-25 checkpoint: steps 26-50 must
+  reproduce the uninterrupted run's losses bit for bit.
+* ``cross``: the BF16 step-25 checkpoint loaded (model only, same keys) into an FP8-Flow run, and the
+  FP8-Flow one into a BF16 run.
+* ``compile``: EP=2 with ``compile.enable`` and ``fp8flow.recompute_experts`` (against BF16 EP=2 with compile).
+* ``perf``: the ``fp8flow_gpu`` flavor (0.57 B parameters), EP=2 x FSDP=2 with compile: tokens/s and
+  peak memory, BF16 vs FP8-Flow.
+
+Results: ``benchmarks/results/<--name>.{json,md}`` (default ``distributed_torchtitan``) and every
+run's record (losses, step times, peak memory) in ``<--name>_runs.json``. A device command runs at
+most 10 minutes, so split the groups over invocations with different ``--name`` s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from _bench import RESULTS_DIR, row, write_results
+
+HERE = Path(__file__).resolve().parent
+RECIPES = ("bf16", "fp8flow")
+FSDP = ["--parallelism.data_parallel_shard_degree", "2"]
+EP = [*FSDP, "--parallelism.expert_parallel_degree", "2"]
+DETERMINISTIC = ["--debug.deterministic", "--debug.deterministic_warn_only"]
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "25", "--checkpoint.folder", "checkpoint"]
+RUN_GROUPS = ("fsdp", "ep", "resume", "cross", "compile", "perf")
+
+
+def worker(out: Path, recipe: str, args: list[str]) -> None:
+    """Under torchrun: one torchtitan training; rank 0 writes its record to ``out``."""
+    from bench_torchtitan_e2e import CONFIGS, add_flavor, train
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    add_flavor()
+    result = train(CONFIGS[recipe], args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.write_text(json.dumps(result))
+
+
+def launch(name: str, recipe: str, args: list[str], work: Path, records: dict) -> dict:
+    """One torchrun launch of :func:`worker`; its record (or failure) goes into ``records[name]``."""
+    out = work / f"{name}.json"
+    # A fresh port per launch: the previous run's rendezvous port may still be in TIME_WAIT.
+    port = str(29531 + len(records))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+    cmd += [str(Path(__file__)), "--worker", str(out), "--recipe", recipe, "--", *args]
+    print(f"=== {name}: {' '.join(args)}", flush=True)
+    proc = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.exists():
+        print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n", flush=True)
+        records[name] = {"failed": True, "returncode": proc.returncode, "args": args, "recipe": recipe}
+    else:
+        records[name] = json.loads(out.read_text()) | {"args": args, "recipe": recipe}
+        print(f"    losses {records[name]['losses'][:2]} ... {records[name]['losses'][-2:]}", flush=True)
+    return records[name]
+
+
+def copy_step(src_dump: Path, step: int, dst_dump: Path) -> Path:
+    """Put only ``step``'s DCP checkpoint of one run into a fresh dump folder (so a run resumes there)."""
+    src = src_dump / "checkpoint" / f"step-{step}"
+    dst = dst_dump / "checkpoint" / f"step-{step}"
+    shutil.copytree(src, dst)
+    return src
+
+
+def run_groups(groups: list[str], work: Path) -> dict:
+    records: dict = {}
+    dump = {name: work / name for name in ("ep-bf16", "ep-fp8flow")}
+    debug = ["--training.steps", "50"]
+    if "fsdp" in groups:
+        for recipe in RECIPES:
+            launch(
+                f"fsdp-{recipe}",
+                recipe,
+                [*debug, *FSDP, *DETERMINISTIC, "--job.dump_folder", str(work / f"fsdp-{recipe}")],
+                work,
+                records,
+            )
+    if {"ep", "resume", "cross"} & set(groups):
+        for recipe in RECIPES:
+            args = [*debug, *EP, *DETERMINISTIC, *CHECKPOINT, "--job.dump_folder", str(dump[f"ep-{recipe}"])]
+            launch(f"ep-{recipe}", recipe, args, work, records)
+    if "resume" in groups and not records["ep-fp8flow"].get("failed"):
+        resumed = work / "ep-fp8flow-resumed"
+        copy_step(dump["ep-fp8flow"], 25, resumed)
+        launch(
+            "resume-fp8flow",
+            "fp8flow",
+            [*debug, *EP, *DETERMINISTIC, *CHECKPOINT, "--job.dump_folder", str(resumed)],
+            work,
+            records,
+        )
+    if "cross" in groups:
+        for src, recipe in (("bf16", "fp8flow"), ("fp8flow", "bf16")):
+            load = dump[f"ep-{src}"] / "checkpoint" / "step-25"
+            args = ["--training.steps", "5", *EP, "--checkpoint.enable", "--checkpoint.initial_load_path", str(load)]
+            launch(
+                f"cross-{src}-to-{recipe}",
+                recipe,
+                [*args, "--job.dump_folder", str(work / f"cross-{src}")],
+                work,
+                records,
+            )
+    if "compile" in groups:
+        for recipe in RECIPES:
+            extra = ["--fp8flow.recompute_experts"] if recipe == "fp8flow" else []
+            args = [*debug, *EP, "--compile.enable", *extra, "--job.dump_folder", str(work / f"compile-{recipe}")]
+            launch(f"compile-{recipe}", recipe, args, work, records)
+    if "perf" in groups:
+        for recipe in RECIPES:
+            args = ["--model.flavor", "fp8flow_gpu", "--training.steps", "30", *EP, "--compile.enable"]
+            launch(f"perf-{recipe}", recipe, [*args, "--job.dump_folder", str(work / f"perf-{recipe}")], work, records)
+    return records
+
+
+def _gap(ours: list[float], base: list[float]) -> float:
+    """Mean relative loss gap over the second half of the run, in percent."""
+    half = len(base) // 2
+    return 100 * statistics.mean(abs(a - b) / b for a, b in zip(ours[half:], base[half:], strict=True))
+
+
+def report(records: dict, name: str) -> None:
+    rows, notes = [], []
+    ok = {k: v for k, v in records.items() if not v.get("failed")}
+    for name in sorted(k for k in records if records[k].get("failed")):
+        notes.append(f"FAILED run {name} (exit {records[name]['returncode']}).")
+    for mode in ("fsdp", "ep", "compile", "perf"):
+        bf16, fp8 = ok.get(f"{mode}-bf16"), ok.get(f"{mode}-fp8flow")
+        if not (bf16 and fp8):
+            continue
+        warm = 5 if mode == "perf" else 3
+        step_us = {k: statistics.median(r["times"][warm:]) * 1e6 for k, r in (("bf16", bf16), ("fp8", fp8))}
+        tokens = fp8["tokens"]
+        rows.append(
+            row(
+                f"{mode}: {' '.join(a for a in fp8['args'] if a.startswith('--') and 'dump' not in a)}",
+                step_us["fp8"],
+                "BF16 torchtitan, same settings",
+                step_us["bf16"],
+                tokens_per_s_per_gpu=round(tokens / step_us["fp8"] * 1e6),
+                baseline_tokens_per_s_per_gpu=round(tokens / step_us["bf16"] * 1e6),
+                peak_gib=round(fp8["peak_gib"], 2),
+                baseline_peak_gib=round(bf16["peak_gib"], 2),
+                last_loss=round(fp8["losses"][-1], 4),
+                baseline_last_loss=round(bf16["losses"][-1], 4),
+                loss_gap_pct_second_half=round(_gap(fp8["losses"], bf16["losses"]), 3),
+            )
+        )
+    full, resumed = ok.get("ep-fp8flow"), ok.get("resume-fp8flow")
+    if full and resumed:
+        same = resumed["losses"] == full["losses"][25:]
+        notes.append(
+            f"DCP resume (FP8-Flow, EP=2 x FSDP=2, deterministic): steps 26-50 after loading step 25 "
+            f"{'reproduce the uninterrupted losses bit for bit' if same else 'DIFFER from the uninterrupted run'} "
+            f"(resumed {resumed['losses'][:3]}..., uninterrupted {full['losses'][25:28]}...)."
+        )
+    for src, dst in (("bf16", "fp8flow"), ("fp8flow", "bf16")):
+        cross = ok.get(f"cross-{src}-to-{dst}")
+        if cross and ok.get(f"ep-{src}"):
+            notes.append(
+                f"Cross-recipe load: the {src} step-25 checkpoint (model only) trains on as {dst}: first losses "
+                f"{[round(v, 4) for v in cross['losses'][:3]]} vs the {src} run's step 25-26 "
+                f"{[round(v, 4) for v in ok[f'ep-{src}']['losses'][24:26]]} and step 1 {round(ok[f'ep-{src}']['losses'][0], 4)}."
+            )
+    notes.append("Step time = median after the first steps (3, or 5 with compile for perf); tokens per GPU per step.")
+    write_results(name, rows, "\n\n".join(notes))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", choices=RUN_GROUPS, default=list(RUN_GROUPS))
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--recipe", choices=RECIPES, help=argparse.SUPPRESS)
+    parser.add_argument("--name", default="distributed_torchtitan", help="result file name (without suffix)")
+    parser.add_argument("torchtitan_args", nargs="*")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.recipe, args.torchtitan_args)
+    if torch.cuda.device_count() < 2:
+        print("bench_distributed_torchtitan: needs 2 GPUs; skipped")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        records = run_groups(args.runs, Path(tmp))
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"{args.name}_runs.json").write_text(json.dumps(records))
+    report(records, args.name)
+    return None
+
+
+if __name__ == "__main__":
+    main()

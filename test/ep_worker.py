@@ -1,0 +1,84 @@
+"""One rank of the expert-parallel tests (``test_expert_parallel.py``): run the cases, save the results.
+
+Started by ``torch.multiprocessing.spawn`` (gloo on the CPU, NCCL on GPUs). Inputs come from the
+parent as a file (the full token batch and the full expert weights); rank ``r`` takes tokens
+``[r * T, (r + 1) * T)`` and experts ``[r * L, (r + 1) * L)``. Nothing is compared here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fp8flow_ao.debug import FP8FlowOpCounter
+from fp8flow_ao.moe import convert_moe_layer, fp8flow_routed_experts
+from fp8flow_ao.torchtitan.cpu import integer_histc
+
+
+def _local_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    size = t.shape[0] // world
+    return t[rank * size : (rank + 1) * size]
+
+
+def run_routed_case(case: dict, rank: int, world: int, device: str) -> dict:
+    """The functional routed path with ``ep_group``: this rank's tokens, this rank's experts."""
+    x = _local_slice(case["x"], rank, world).to(device).requires_grad_()
+    probs = _local_slice(case["probs"], rank, world).to(device).requires_grad_()
+    indices = _local_slice(case["indices"], rank, world).to(device)
+    weights = [_local_slice(case[n], rank, world).to(device).requires_grad_() for n in ("w1", "w2", "w3")]
+    with FP8FlowOpCounter() as counter:
+        out = fp8flow_routed_experts(
+            x, probs, indices, *weights, recompute_experts=case["recompute"], ep_group=dist.group.WORLD
+        )
+        out.backward(_local_slice(case["grad"], rank, world).to(device))
+    grads = {n: w.grad for n, w in zip(("w1", "w2", "w3"), weights, strict=True)}
+    return {"out": out, "x": x.grad, "probs": probs.grad, "casts": counter.activation_casts} | grads
+
+
+def run_layer_case(case: dict, rank: int, world: int, device: str) -> dict:
+    """torchtitan's MoE layer, converted, its experts parallelized by torchtitan's ``ExpertParallel`` style."""
+    from test_moe import make_moe
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    moe = make_moe(**case["make"], device=device)
+    convert_moe_layer(moe)
+    mesh = torch.distributed.device_mesh.init_device_mesh(device, (world,))
+    # What torchtitan's apply_moe_ep_tp does for expert_parallel_degree > 1; a BF16 layer beside it
+    # must keep torchtitan's BF16 style (its dispatch/combine hooks), the converted one gets FP8 dispatch.
+    bf16 = make_moe(**case["make"], device=device)
+    for layer in (moe, bf16):
+        parallelize_module(layer.experts, mesh, ExpertParallel())
+    styles = {"fp8flow_hooks": len(moe.experts._forward_pre_hooks) + len(moe.experts._forward_hooks)}
+    styles["bf16_hooks"] = len(bf16.experts._forward_pre_hooks) + len(bf16.experts._forward_hooks)
+    x = _local_slice(case["x"], rank, world).to(device)[None].requires_grad_()  # [batch 1, T, D]
+    with integer_histc():
+        out = moe(x)
+        out.backward(_local_slice(case["grad"], rank, world).to(device)[None])
+    grads = {n: p.grad for n, p in moe.named_parameters()}
+    grads = {n: g.to_local() if hasattr(g, "to_local") else g for n, g in grads.items()}
+    return {"out": out[0], "x": x.grad[0]} | grads | styles
+
+
+def worker(rank: int, world: int, device: str, folder: str) -> None:
+    """Entry point of one spawned rank."""
+    path = Path(folder)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{path / 'rendezvous'}", rank=rank, world_size=world)
+    try:
+        cases = torch.load(path / "cases.pt")
+        results = {}
+        for name, case in cases.items():
+            run = run_layer_case if "make" in case else run_routed_case
+            results[name] = {
+                k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in run(case, rank, world, device).items()
+            }
+        torch.save(results, path / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,204 @@
+"""Expert parallelism with FP8 dispatch: 2 ranks against the single-process FP8-Flow layer.
+
+Two processes (gloo on the CPU, where the torch references stand in for the kernels; NCCL with the
+Triton kernels where 2 GPUs exist) each take half of the tokens and half of the experts; the
+single-process path runs all tokens on all experts. Outputs and every gradient agree bit for bit:
+every row meets the same operands in the same order (each expert's rows arrive in global token
+order, rank 0's tokens first), the BF16 rows return unchanged and the top-k sum runs on the token's
+rank in the same fp32 order. Also: still exactly 2 explicit activation casts per layer and step;
+empty experts, a rank that receives no rows, recompute; torchtitan's MoE layer with its experts
+parallelized by torchtitan's own ``ExpertParallel`` style (a BF16 layer beside it keeps torchtitan's);
+clear errors for bad degrees and unsupported parallelisms.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_moe import ROUTINGS, make_moe, run_step
+
+from fp8flow_ao.moe import convert_moe_layer, fp8flow_routed_experts
+from fp8flow_ao.parallel import shard_experts
+
+WORLD = 2
+DIM, HIDDEN, TOKENS_PER_RANK = 256, 128, 48
+
+
+def _routed_case(seed: int, experts: int, top_k: int, route: str, recompute: bool) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tokens = WORLD * TOKENS_PER_RANK
+    scores = torch.rand(tokens, experts, generator=g)
+    if route == "skewed":  # expert 0 wins most rows, the last quarter of the experts never win
+        scores = scores * torch.linspace(3.0, 0.1, experts)
+        scores[:, experts - experts // 4 :] = -1.0
+    elif route == "one_rank":  # every row goes to rank 0's experts: rank 1 receives nothing
+        scores[:, experts // WORLD :] = -1.0
+    probs, indices = scores.topk(top_k, dim=1)
+    probs = probs.abs() / probs.abs().sum(1, keepdim=True)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+
+    return {
+        "x": torch.randn(tokens, DIM, generator=g).to(torch.bfloat16),
+        "probs": probs.float(),
+        "indices": indices,
+        "grad": torch.randn(tokens, DIM, generator=g).to(torch.bfloat16),
+        "w1": weight(experts, HIDDEN, DIM),
+        "w2": weight(experts, DIM, HIDDEN),
+        "w3": weight(experts, HIDDEN, DIM),
+        "recompute": recompute,
+    }
+
+
+CASES = {
+    "balanced": _routed_case(1, experts=4, top_k=2, route="balanced", recompute=False),
+    "skewed_recompute": _routed_case(2, experts=8, top_k=3, route="skewed", recompute=True),
+    "one_rank": _routed_case(3, experts=4, top_k=2, route="one_rank", recompute=False),
+}
+_LAYER_ROUTING = "skewed"
+_LAYER_MAKE = dict(zip(("experts", "top_k", "expert_bias"), ROUTINGS[_LAYER_ROUTING], strict=True))
+_g = torch.Generator().manual_seed(5)
+CASES["layer"] = {
+    "make": _LAYER_MAKE,
+    "x": torch.randn(WORLD * TOKENS_PER_RANK, DIM, generator=_g).to(torch.bfloat16),
+    "grad": torch.randn(WORLD * TOKENS_PER_RANK, DIM, generator=_g).to(torch.bfloat16),
+}
+
+
+def _single_process_routed(case: dict, device: str) -> dict:
+    x, probs = case["x"].to(device).requires_grad_(), case["probs"].to(device).requires_grad_()
+    weights = [case[n].to(device).requires_grad_() for n in ("w1", "w2", "w3")]
+    out = fp8flow_routed_experts(x, probs, case["indices"].to(device), *weights, recompute_experts=case["recompute"])
+    out.backward(case["grad"].to(device))
+    grads = {n: w.grad.cpu() for n, w in zip(("w1", "w2", "w3"), weights, strict=True)}
+    return {"out": out.detach().cpu(), "x": x.grad.cpu(), "probs": probs.grad.cpu()} | grads
+
+
+def _single_process_layer(case: dict, device: str) -> dict:
+    moe = convert_moe_layer(make_moe(**case["make"], device=device))
+    shape = (WORLD, TOKENS_PER_RANK, DIM)  # batch rows = ranks: the same tokens in the same order
+    result = run_step(moe, case["x"].to(device).view(shape), case["grad"].to(device).view(shape))
+    grads = {n: p.grad.cpu() for n, p in moe.named_parameters()}
+    return {k: result[k].cpu().view(-1, DIM) for k in ("out", "x")} | grads
+
+
+def _run_ranks(tmp_path, device: str) -> list[dict]:
+    import ep_worker
+
+    torch.save(CASES, tmp_path / "cases.pt")
+    torch.multiprocessing.spawn(ep_worker.worker, args=(WORLD, device, str(tmp_path)), nprocs=WORLD, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def _split(t: torch.Tensor, rank: int) -> torch.Tensor:
+    size = t.shape[0] // WORLD
+    return t[rank * size : (rank + 1) * size]
+
+
+# Split over ranks along dim 0: token-major results and the experts' weights and their gradients.
+_BY_RANK = ("out", "x", "probs", "w1", "w2", "w3", "experts.w1", "experts.w2", "experts.w3")
+
+
+def _check_against_single_process(ranks: list[dict], device: str) -> None:
+    for name, case in CASES.items():
+        ref = (_single_process_layer if "make" in case else _single_process_routed)(case, device)
+        for key, expected in ref.items():
+            if key in _BY_RANK:
+                for rank, results in enumerate(ranks):
+                    got = results[name][key]
+                    assert torch.equal(got, _split(expected, rank)), f"{name}: {key} differs on rank {rank}"
+            else:  # replicated BF16 parameters (router, shared expert): each rank holds its tokens' share,
+                # so the sum of two rounded partials meets one rounded total within a few BF16 ulps.
+                total = sum(results[name][key].float() for results in ranks)
+                atol = 2**-6 * expected.float().abs().max().item()
+                torch.testing.assert_close(total, expected.float(), rtol=0, atol=atol, msg=f"{name}: {key}")
+        if "make" not in case:
+            assert [results[name]["casts"] for results in ranks] == [2, 2], f"{name}: explicit casts per rank"
+        else:  # torchtitan's ExpertParallel: FP8 dispatch (no hooks) on the converted layer only
+            assert all(results[name]["fp8flow_hooks"] == 0 for results in ranks)
+            assert all(results[name]["bf16_hooks"] == 2 for results in ranks)
+    skewed_l2 = CASES["skewed_recompute"]["indices"].unique().numel()
+    assert skewed_l2 < 8, "the skewed case must leave experts empty"
+
+
+def test_two_ranks_gloo_match_single_process(tmp_path):
+    _check_against_single_process(_run_ranks(tmp_path, "cpu"), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_two_ranks_nccl_match_single_gpu(tmp_path):
+    _check_against_single_process(_run_ranks(tmp_path, "cuda"), "cuda")
+
+
+def test_shard_experts_errors():
+    moe = make_moe(experts=4)
+    with pytest.raises(TypeError, match="convert the MoE layer first"):
+        shard_experts(moe.experts, _FakeMesh(2))
+    convert_moe_layer(moe)
+    with pytest.raises(ValueError, match="expert parallel degree 3 must divide the number of experts 4"):
+        shard_experts(moe.experts, _FakeMesh(3))
+    with pytest.raises(TypeError, match="1-D DeviceMesh"):
+        shard_experts(moe.experts, _FakeMesh(2, ndim=2))
+
+
+class _FakeMesh:
+    """Enough of a DeviceMesh for the checks that run before any collective."""
+
+    def __init__(self, size: int, ndim: int = 1):
+        self._size, self.ndim = size, ndim
+
+    def size(self) -> int:
+        return self._size
+
+
+def _parallel_dims(**degrees: int):
+    from torchtitan.distributed import ParallelDims
+
+    sizes = {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1} | degrees
+    return ParallelDims(**sizes, world_size=WORLD)
+
+
+def _job_config(*args: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.custom_config_module", "fp8flow_ao.torchtitan.job_config", *args])
+
+
+@pytest.mark.parametrize(
+    ("degrees", "args", "match"),
+    [
+        ({"tp": 2, "dp_shard": 1}, (), "tensor_parallel_degree > 1 is not supported"),
+        (
+            {"ep": 2},
+            ("--parallelism.expert_parallel_comm_backend", "deepep"),
+            "expert_parallel_comm_backend = 'deepep'",
+        ),
+    ],
+)
+def test_converter_refuses_unsupported_parallelism_before_building(degrees, args, match):
+    from fp8flow_ao.torchtitan.converter import FP8FlowConverter
+
+    with pytest.raises(ValueError, match=match):
+        FP8FlowConverter(_job_config(*args), _parallel_dims(**degrees))
+
+
+def test_converter_refuses_ep_degree_that_does_not_divide_experts():
+    from fp8flow_ao.torchtitan.converter import FP8FlowConverter
+
+    moe = make_moe(experts=3, top_k=1, expert_bias=[0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="expert_parallel_degree = 2 must divide the number of experts"):
+        FP8FlowConverter(_job_config(), _parallel_dims(ep=2)).convert(torch.nn.ModuleDict({"moe": moe}))
+    # The rowwise baseline keeps torchtitan's own expert path, which torchtitan checks itself.
+    FP8FlowConverter(_job_config("--fp8flow.recipe", "rowwise"), _parallel_dims(ep=2))
+
+
+def test_torchtitan_styles_other_than_ep_refuse_converted_experts():
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.distributed.expert_parallel import ExpertTensorParallel, TensorParallel
+
+    moe = convert_moe_layer(make_moe())
+    for style, setting in ((TensorParallel(), "tensor_parallel_degree"), (ExpertTensorParallel(), "expert_tensor")):
+        with pytest.raises(ValueError, match=setting):
+            parallelize_module(moe.experts, _FakeMesh(2), style)
