@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
 from test_moe import ROUTINGS, make_moe, run_step
 
 from fp8flow_ao.moe import convert_moe_layer, fp8flow_routed_experts
@@ -202,3 +203,36 @@ def test_torchtitan_styles_other_than_ep_refuse_converted_experts():
     for style, setting in ((TensorParallel(), "tensor_parallel_degree"), (ExpertTensorParallel(), "expert_tensor")):
         with pytest.raises(ValueError, match=setting):
             parallelize_module(moe.experts, _FakeMesh(2), style)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-rank default process group in this process (gloo on the CPU, NCCL on a GPU)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    backend = "nccl" if DEVICE == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_one_rank_group_is_the_single_process_path(one_rank_group, recompute):
+    """EP degree 1 runs the whole dispatch machinery (on the GPU: its kernels) and changes no bit."""
+    case = _routed_case(7, experts=4, top_k=2, route="skewed", recompute=recompute)
+    ref = _single_process_routed(case, DEVICE)
+    x, probs = case["x"].to(DEVICE).requires_grad_(), case["probs"].to(DEVICE).requires_grad_()
+    weights = [case[n].to(DEVICE).requires_grad_() for n in ("w1", "w2", "w3")]
+    out = fp8flow_routed_experts(
+        x, probs, case["indices"].to(DEVICE), *weights, recompute_experts=recompute, ep_group=one_rank_group
+    )
+    out.backward(case["grad"].to(DEVICE))
+    got = {"out": out, "x": x.grad, "probs": probs.grad} | dict(
+        zip(("w1", "w2", "w3"), (w.grad for w in weights), strict=True)
+    )
+    for key, expected in ref.items():
+        assert torch.equal(got[key].detach().cpu(), expected), key
