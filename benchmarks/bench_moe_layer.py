@@ -17,10 +17,15 @@ Variants, each ``torch.compile``-d (default mode, graph breaks allowed so every 
   kernels when the optional ``deep_gemm`` package is installed, else torchao's emulated Triton
   path: the ``notes`` say which). torchao 0.18 has no config/converter for it, so its experts'
   forward is swapped here;
-* ``fp8flow`` / ``fp8flow_recompute``: ``quantize_(layer, FP8FlowConfig(recompute_experts=...))``.
+* ``fp8flow`` / ``fp8flow_recompute``: ``quantize_(layer, FP8FlowConfig(recompute_experts=...))``;
+* ``fp8flow_wt_forward``: ``FP8FlowConfig(weight_cache="forward")``: the forward writes the weights'
+  exact transposes in the same pass and keeps them for backward (memory for speed; compiled,
+  ``weight_cache="step"`` runs as this).
 
 Reported per case: median ms of forward + backward (input and output gradients, weight
-gradients); speed-up of FP8-Flow over each baseline; TFLOP/s at 18*T*k*D*H model FLOPs; the
+gradients) over ``--repeats`` repetitions (each itself a median of do_bench's runs), with the
+repetitions' min and max and their spread (``(max - min) / median``); the speed-up is the ratio of
+the medians, ``speedup_range`` the worst and best pairing of repetitions; speed-up of FP8-Flow over each baseline; TFLOP/s at 18*T*k*D*H model FLOPs; the
 activation memory held for backward (``memory_allocated`` after the forward minus before, less the
 output itself; weights allocated before are not counted, FP8 weight copies made in the forward are,
 and their estimated size is reported beside it: at the DeepSeek-like shape they are about 1.4 GB)
@@ -45,6 +50,7 @@ import argparse
 import copy
 import gc
 import re
+import statistics
 import sys
 import time
 import traceback
@@ -60,8 +66,8 @@ from fp8flow_ao.shapes import DEEPSEEK_V3, QWEN3_30B_A3B, MoEShape
 
 CASES = {"deepseek": (DEEPSEEK_V3, 4096), "qwen": (QWEN3_30B_A3B, 8192)}
 ROUTINGS = ("balanced", "skewed")
-VARIANTS = ("bf16", "fp8flow", "fp8flow_recompute", "torchao_rowwise", "torchao_blockwise")
-OURS = ("fp8flow", "fp8flow_recompute")
+VARIANTS = ("bf16", "fp8flow", "fp8flow_recompute", "fp8flow_wt_forward", "torchao_rowwise", "torchao_blockwise")
+OURS = ("fp8flow", "fp8flow_recompute", "fp8flow_wt_forward")
 BASELINES = {
     "bf16": "BF16 torchtitan MoE (torch.compile)",
     "torchao_rowwise": "torchao 0.18 FP8 row-wise MoE (torch.compile)",
@@ -73,7 +79,8 @@ SPEEDUP_TARGETS = {
     ("deepseek", "torchao_rowwise"): 1.3,
     ("qwen", "torchao_rowwise"): 1.3,
 }
-MEMORY_TARGETS = {"fp8flow": 0.5, "fp8flow_recompute": 0.2}  # activation memory / BF16's
+# activation memory / BF16's; fp8flow_wt_forward trades memory (its FP8 weight transposes) for speed
+MEMORY_TARGETS = {"fp8flow": 0.5, "fp8flow_recompute": 0.2}
 PROFILE_ITERS = 5
 
 
@@ -170,7 +177,8 @@ def convert(block: Block, variant: str) -> Block:
     elif variant in OURS:
         from fp8flow_ao.config import FP8FlowConfig
 
-        quantize_(block, FP8FlowConfig(recompute_experts=variant == "fp8flow_recompute"))
+        weight_cache = "forward" if variant == "fp8flow_wt_forward" else "off"
+        quantize_(block, FP8FlowConfig(recompute_experts=variant == "fp8flow_recompute", weight_cache=weight_cache))
     return block
 
 
@@ -213,14 +221,22 @@ def make_inputs(tokens: int, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]
 
 @dataclass
 class Measured:
-    us: float
+    reps_us: list[float]  # one median per repetition
     act_mib: float  # held for backward: allocated after forward - before - the output
     peak_mib: float  # forward + backward peak above the state before the forward
 
+    @property
+    def us(self) -> float:
+        return statistics.median(self.reps_us)
 
-def measure(block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> Measured:
+    @property
+    def spread_pct(self) -> float:
+        return 100 * (max(self.reps_us) - min(self.reps_us)) / self.us
+
+
+def measure(block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int) -> Measured:
     step = make_step(block)
-    us = bench_us(step, inputs)
+    reps_us = [bench_us(step, inputs) for _ in range(repeats)]
     x, dy = inputs[0]
     step(x, dy)
     for p in block.parameters():
@@ -237,7 +253,7 @@ def measure(block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     del out
-    return Measured(us, held / 2**20, peak / 2**20)
+    return Measured(reps_us, held / 2**20, peak / 2**20)
 
 
 def _gemm_label(name: str, shapes: list, shape: MoEShape) -> str:
@@ -337,7 +353,7 @@ def prepare(name: str) -> Case:
     return Case(name, shape, tokens, build_bf16(shape), inputs, FixedRouting(tokens, shape.top_k), {})
 
 
-def run_variant(case: Case, variant: str) -> list[dict]:
+def run_variant(case: Case, variant: str, repeats: int) -> list[dict]:
     """Compile ``variant`` of ``case`` once, measure it under every routing; FP8-Flow's stage rows."""
     block = convert(case.base, variant)
     install_routing(block, case.fixed)
@@ -345,7 +361,7 @@ def run_variant(case: Case, variant: str) -> list[dict]:
     stage_rows = []
     for kind in ROUTINGS:
         case.fixed.set(routing(kind, case.tokens, case.shape.top_k, case.shape.experts))
-        case.results[kind, variant] = measure(compiled, case.inputs)
+        case.results[kind, variant] = measure(compiled, case.inputs, repeats)
         if variant in OURS and kind == "balanced":
             stages = stage_breakdown(compiled, case.inputs, case.shape, case.results[kind, variant].us)
             total = sum(stages.values())
@@ -363,7 +379,9 @@ def run_variant(case: Case, variant: str) -> list[dict]:
     return stage_rows
 
 
-def run_all(cases: list[Case], variants: tuple[str, ...], deadline: float, notes: list[str]) -> tuple[list[dict], bool]:
+def run_all(
+    cases: list[Case], variants: tuple[str, ...], repeats: int, deadline: float, notes: list[str]
+) -> tuple[list[dict], bool]:
     """Every variant of every case, variant by variant (BF16 and FP8-Flow first, so a tight budget skips
     the slow baselines); returns the stage rows and whether an FP8-Flow variant failed."""
     stage_rows, ours_failed = [], False
@@ -374,7 +392,7 @@ def run_all(cases: list[Case], variants: tuple[str, ...], deadline: float, notes
                 continue
             start = time.monotonic()
             try:
-                stage_rows += run_variant(case, variant)
+                stage_rows += run_variant(case, variant, repeats)
             except Exception as exc:  # one variant failing must not hide the others' numbers
                 first_line = str(exc).splitlines()[0][:300].rstrip(".") if str(exc) else ""
                 notes.append(f"{case.name}/{variant}: failed: {type(exc).__name__}: {first_line}.")
@@ -406,6 +424,11 @@ def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str
                 act_mem_mib=round(ours.act_mib, 1), baseline_act_mem_mib=round(base.act_mib, 1),
                 peak_mem_mib=round(ours.peak_mib, 1), baseline_peak_mem_mib=round(base.peak_mib, 1),
                 baseline_tflops=round(flops / base.us / 1e6, 1),
+                repeats=len(ours.reps_us), ours_us_min=round(min(ours.reps_us), 2),
+                ours_us_max=round(max(ours.reps_us), 2), ours_spread_pct=round(ours.spread_pct, 1),
+                baseline_spread_pct=round(base.spread_pct, 1),
+                speedup_range=[round(min(base.reps_us) / max(ours.reps_us), 3),
+                               round(max(base.reps_us) / min(ours.reps_us), 3)],
             )  # fmt: skip
             if bf16 is not None:
                 r["act_mem_ratio_vs_bf16"] = round(ours.act_mib / bf16.act_mib, 3)
@@ -413,7 +436,7 @@ def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str
             if target is not None:
                 r["target"] = f">= {target}x"
                 checks.append(r["speedup"] >= target)
-            if baseline == "bf16":
+            if baseline == "bf16" and variant in MEMORY_TARGETS:
                 r["memory_target"] = f"<= {MEMORY_TARGETS[variant]:.0%} of bf16"
                 checks.append(r["act_mem_ratio_vs_bf16"] <= MEMORY_TARGETS[variant])
             if checks:
@@ -427,9 +450,14 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument(
+        "--repeats", type=int, default=3, help="timed repetitions per variant and routing (median and spread)"
+    )
+    parser.add_argument(
         "--budget-s", type=float, default=270, help="skip variants that would start after this many seconds"
     )
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not torch.cuda.is_available():
         print("bench_moe_layer: no CUDA device, nothing to measure.")
         return
@@ -447,12 +475,14 @@ def main() -> None:
     else:
         notes = []
     cases = [prepare(name) for name in args.cases]
-    stage_rows, ours_failed = run_all(cases, variants, deadline, notes)
+    stage_rows, ours_failed = run_all(cases, variants, args.repeats, deadline, notes)
     rows = [r for c in cases for r in result_rows(c.name, c.shape, c.tokens, c.results)]
     notes.append(
-        "ours_us/baseline_us: median of forward + backward (torch.compile, bf16 params); act_mem: memory held "
+        f"ours_us/baseline_us: median over {args.repeats} repetitions of the median forward + backward "
+        "(torch.compile, bf16 params), spread = (max - min) / median of the repetitions; act_mem: memory held "
         "for backward after the forward (output excluded; FP8-Flow keeps no weight copies: it re-quantizes the "
-        "weights' transposes in backward); tflops at 18*T*k*D*H."
+        "weights' transposes in backward, except fp8flow_wt_forward, which keeps the forward's); "
+        "tflops at 18*T*k*D*H."
     )
     # A subset of the cases gets its own files, so running the cases one at a time keeps both.
     name = "moe_layer" if set(args.cases) == set(CASES) else "moe_layer_" + "_".join(sorted(args.cases))

@@ -7,6 +7,7 @@ Usage::
 
     quantize_(model, FP8FlowConfig())                          # every torchtitan-style MoE layer
     quantize_(model, FP8FlowConfig(recompute_experts=True))   # keep only the FP8 expert input
+    quantize_(model, FP8FlowConfig(weight_cache="forward"))    # FP8 weight transposes from the forward
     quantize_(model, FP8FlowConfig(module_filter=lambda m, fqn: fqn != "layers.0.moe"))
 
 What gets converted: torchtitan-style MoE layers (a module with ``.router`` and ``.experts``
@@ -49,6 +50,7 @@ from torchao.quantization.transform_module import register_quantize_module_handl
 from fp8flow_ao.grouped_mm import RECIPES
 from fp8flow_ao.moe import check_moe_layer, convert_moe_layer, is_moe_layer
 from fp8flow_ao.tensor import wrap_expert_weights
+from fp8flow_ao.weight_cache import check_weight_cache_mode
 
 # FP8-Flow's token groups are 128-row aligned (1x128 / 128x128 blocks never straddle two experts).
 TOKEN_GROUP_ALIGNMENT = 128
@@ -67,11 +69,32 @@ class FP8FlowConfig(AOBaseConfig):
             expert path; a baseline for comparison with torchao's row-wise recipe).
         module_filter: ``(module, fqn) -> bool`` choosing which MoE layers to convert (all when
             ``None``). It is called on MoE layers only.
+        weight_cache: how often the expert weights are quantized to FP8 and which FP8 copies stay
+            alive (``recipe="blockwise"`` only; every mode gives bit-identical results; details in
+            :mod:`fp8flow_ao.weight_cache`). Memory per MoE layer with ``E`` local experts, ffn ``H``,
+            model dim ``D`` (BF16 weights are ``6*E*H*D`` bytes):
+
+            * ``"off"`` (default): forward quantizes the forward orientation, backward the exact
+              transposes again; no FP8 weight bytes outlive a GEMM, so peak memory stays below BF16's.
+            * ``"forward"``: one pass writes both orientations; the transposes (``3*E*H*D`` bytes,
+              + ``2*E*H*D`` for W13 with ``recompute_experts``) are held from each layer's forward to its
+              backward. Saves a read of the BF16 weights and a launch per weight per micro-batch.
+              Works compiled.
+            * ``"step"``: both orientations (``6*E*H*D`` bytes) are cached across micro-batches and
+              steps and re-quantized on the first use after the weights change (version counters; the
+              torchtitan converter also invalidates after each optimizer step): with gradient
+              accumulation, micro-batches 2..n quantize no weights. Caches in eager mode; under
+              ``torch.compile`` it runs as ``"forward"``. With FSDP2 outside torchtitan, call
+              ``fp8flow_ao.weight_cache.EXPERT_WEIGHT_CACHE.invalidate()`` after each optimizer step.
+
+            Measured (H200, ``bench_moe_layer.py``, DeepSeek-like T=4096 D=7168 H=2048 E=32, fwd+bwd
+            ms / peak GiB per mode): to be filled in from the GPU run.
     """
 
     recompute_experts: bool = False
     recipe: Literal["blockwise", "rowwise"] = "blockwise"
     module_filter: Callable[[nn.Module, str], bool] | None = None
+    weight_cache: Literal["off", "forward", "step"] = "off"
 
     def __post_init__(self) -> None:
         if not isinstance(self.recompute_experts, bool):
@@ -80,6 +103,9 @@ class FP8FlowConfig(AOBaseConfig):
             raise ValueError(f"recipe must be one of {RECIPES}, got {self.recipe!r}")
         if self.recompute_experts and self.recipe != "blockwise":
             raise ValueError("recompute_experts=True needs recipe='blockwise' (the fused FP8-Flow expert path)")
+        check_weight_cache_mode(self.weight_cache)
+        if self.weight_cache != "off" and self.recipe != "blockwise":
+            raise ValueError(f"weight_cache={self.weight_cache!r} needs recipe='blockwise' (the fused FP8-Flow path)")
         if self.module_filter is not None and not callable(self.module_filter):
             raise TypeError(f"module_filter must be callable (module, fqn) -> bool, got {self.module_filter!r}")
 
@@ -96,7 +122,7 @@ def _set_torchtitan_alignment() -> None:
 
 def _convert_layer(module: nn.Module, config: FP8FlowConfig, fqn: str) -> None:
     if config.recipe == "blockwise":
-        convert_moe_layer(module, recompute_experts=config.recompute_experts, fqn=fqn)
+        convert_moe_layer(module, recompute_experts=config.recompute_experts, fqn=fqn, weight_cache=config.weight_cache)
         return
     check_moe_layer(module, fqn)
     _set_torchtitan_alignment()

@@ -16,9 +16,10 @@ function as torchtitan's ``score_before_experts=False``.
 
 Saved for backward: ``x8`` + scales ``[T, D]`` (FP8, never BF16; re-permuted in backward, k times
 smaller than the permuted rows), the permuted probs, the routing maps and offsets, references to
-the weight parameters (no copy: the weights are re-quantized in backward into the exact FP8
-transposes the dgrads need, the same bits as forward's, since holding FP8 copies of every layer's
-weights from forward to backward would cost more memory than the activations), and either ``h``
+the weight parameters (no copy: by default, ``weight_cache="off"``, the weights are re-quantized in
+backward into the exact FP8 transposes the dgrads need, the same bits as forward's, since holding FP8
+copies of every layer's weights from forward to backward costs more memory than the activations;
+``"forward"``/``"step"`` keep the forward's transposes instead, :mod:`fp8flow_ao.weight_cache`), and either ``h``
 (BF16 ``[M, 2H]``, which SwiGLU's backward needs exactly) + ``a8`` (FP8, FC2's wgrad operand), or,
 with ``recompute_experts=True``, no FC1 output at all: FC1 and swiglu_quant run again in backward on
 the same FP8 operands, so the gradients are bit-identical to the stored path.
@@ -42,26 +43,19 @@ from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import grouped_gemm_fp8_block
 from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
 from fp8flow_ao.kernels.permute_pad import permute_pad, permute_pad_rows
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
-from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
 from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose
 from fp8flow_ao.kernels.swiglu_quant import swiglu_quant, swiglu_quant_backward
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 from fp8flow_ao.parallel.expert_parallel import combine, combine_probs_grad, dispatch, plan_dispatch
+from fp8flow_ao.weight_cache import (
+    check_weight_cache_mode,
+    kept_for_backward,
+    split_kept,
+    weights_for_backward,
+    weights_for_forward,
+)
 
 _HP_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def _quantize_w13(w1: torch.Tensor, w3: torch.Tensor, with_data: bool, with_transpose: bool) -> list:
-    """FP8 ``W13 = cat([w1, w3], dim=1)`` ``[E, 2H, D]`` and/or its exact transpose ``[E, D, 2H]``.
-
-    Returns ``[data, scale, data_t, scale_t]``, ``None`` where not asked for. w1 and w3 are quantized
-    separately and their FP8 tiles concatenated: H is a multiple of 128, so no 128x128 tile spans
-    both and the result equals quantizing the BF16 concatenation, while the copy moves 1-byte
-    instead of 2/4-byte elements.
-    """
-    q1, q3 = (quantize_128x128(w.contiguous(), with_transpose, with_data) for w in (w1, w3))
-    dims = (1, 1, 2, 2)  # data/scale concatenate along N, their transposes along the last dim
-    return [None if a is None else torch.cat([a, b], dim=d) for a, b, d in zip(q1, q3, dims, strict=True)]
 
 
 def _fc1_swiglu(
@@ -82,7 +76,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
     """Routed experts of one MoE layer, top-k combine included: ``[T, D]`` tokens -> ``[T, D]`` output."""
 
     @staticmethod
-    def forward(ctx, x, probs, expert_indices, w1, w2, w3, recompute, ep_group):
+    def forward(ctx, x, probs, expert_indices, w1, w2, w3, recompute, weight_cache, ep_group):
         num_experts, top_k = w1.shape[0], expert_indices.shape[1]  # local experts under EP
         # Cast 1 of 2: x [T, D] -> 1x128 FP8 row-wise, before dispatch; everything after stays FP8.
         x_data, x_scale = quantize_1x128(x)
@@ -96,21 +90,20 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             rows_experts, rows_k = plan.local_expert, 1
         routed = permute_pad(rows, rows_scale, rows_experts, rows_probs, num_experts)
         offs = routed.group_end_offsets
-        # Weights: 128x128 tiles, forward orientation only. The dgrads' exact transposes are made in
-        # backward from the same weights (same bits): keeping FP8 copies of every layer's weights alive
-        # from forward to backward would cost more memory than the activations saved.
-        w13_data, w13_scale, _, _ = _quantize_w13(w1, w3, with_data=True, with_transpose=False)
-        w2_data, w2_scale, _, _ = quantize_128x128(w2.contiguous(), with_transpose=False)
-        h, a_data, a_scale = _fc1_swiglu(routed.data, routed.scale_inv, w13_data, w13_scale, routed.probs, offs)
-        y = grouped_gemm_fp8_blockwise(a_data, a_scale, w2_data, w2_scale, offs, out_dtype=torch.bfloat16)
+        # Weights: 128x128 tiles; with weight_cache "forward"/"step" also the dgrads' exact transposes,
+        # kept for backward (memory for speed: weight_cache.py).
+        qw = weights_for_forward(w1, w2, w3, weight_cache)
+        h, a_data, a_scale = _fc1_swiglu(routed.data, routed.scale_inv, qw.w13, qw.w13_scale, routed.probs, offs)
+        y = grouped_gemm_fp8_blockwise(a_data, a_scale, qw.w2, qw.w2_scale, offs, out_dtype=torch.bfloat16)
         out = unpermute_unpad(y, routed.dst_rows, rows_k)
         if plan is not None:
             out = combine(out, plan)
 
         fc1_saved = () if recompute else (h, a_data, a_scale)
         # w1, w2, w3 are the parameters themselves (alive anyway): saving them costs no memory.
+        kept = kept_for_backward(qw, recompute)
         ctx.save_for_backward(
-            rows, rows_scale, routed.probs, routed.src_rows, routed.dst_rows, offs, w1, w2, w3, *fc1_saved
+            rows, rows_scale, routed.probs, routed.src_rows, routed.dst_rows, offs, w1, w2, w3, *kept, *fc1_saved
         )
         ctx.recompute, ctx.top_k, ctx.rows_k, ctx.plan = recompute, top_k, rows_k, plan
         ctx.dtypes = (x.dtype, probs.dtype, w1.dtype, w2.dtype, w3.dtype)
@@ -121,16 +114,17 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, *fc1_saved = ctx.saved_tensors
+        rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, *saved = ctx.saved_tensors
+        kept, fc1_saved = split_kept(saved)
         top_k, rows_k, plan = ctx.top_k, ctx.rows_k, ctx.plan
         x_dtype, probs_dtype, w1_dtype, w2_dtype, w3_dtype = ctx.dtypes
         # The token rows again, in the forward's padded expert-major order (a gather, no cast).
         xp, xp_scale = permute_pad_rows(rows, rows_scale, src_rows, rows_k)
-        # The weights again: exact transposes for the dgrads (and W13 itself when recomputing FC1).
-        w13, w13_scale, w13_t, w13_t_scale = _quantize_w13(w1, w3, with_data=ctx.recompute, with_transpose=True)
-        _, _, w2_t, w2_t_scale = quantize_128x128(w2.contiguous(), with_data=False)
+        # The weights' exact transposes for the dgrads (and W13 itself when recomputing FC1): kept from
+        # forward, or quantized again from the same weights (the same bits).
+        qw = weights_for_backward(kept, w1, w2, w3, ctx.recompute)
         if ctx.recompute:
-            h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, w13, w13_scale, probs_p, offs)
+            h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw.w13, qw.w13_scale, probs_p, offs)
         else:
             h, a_data, a_scale = fc1_saved
 
@@ -141,7 +135,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, rows_k)
 
         # FC2 dgrad: da [M, H] = dy @ w2 per expert, RHS = exact FP8 w2^T [E, H, D].
-        grad_a = grouped_gemm_fp8_blockwise(dyp, dyp_scale, w2_t, w2_t_scale, offs, out_dtype=torch.bfloat16)
+        grad_a = grouped_gemm_fp8_blockwise(dyp, dyp_scale, qw.w2_t, qw.w2_t_scale, offs, out_dtype=torch.bfloat16)
         # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
         dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
         a_t, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
@@ -152,7 +146,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
         dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs)
         # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
-        grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, w13_t, w13_t_scale, offs, out_dtype=torch.bfloat16)
+        grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, qw.w13_t, qw.w13_t_scale, offs, out_dtype=torch.bfloat16)
         # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8.
         xp_t, xp_t_scale = scaling_aware_transpose(xp, xp_scale, offs)
         grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype)
@@ -175,6 +169,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             grad_w3.to(w3_dtype),
             None,
             None,
+            None,
         )
 
 
@@ -186,6 +181,7 @@ def fp8flow_routed_experts(
     w2: torch.Tensor,
     w3: torch.Tensor,
     recompute_experts: bool = False,
+    weight_cache: str = "off",
     ep_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """FP8-Flow routed experts with the top-k combine: ``sum_j top_scores[t, j] * expert_j(x[t])``.
@@ -201,6 +197,9 @@ def fp8flow_routed_experts(
             ``H`` a multiple of 128.
         recompute_experts: keep only the FP8 ``x`` (+ probs, routing) for backward and recompute
             FC1 + SwiGLU there (bit-identical gradients, less activation memory).
+        weight_cache: ``"off"``, ``"forward"`` or ``"step"``: how often the weights are quantized and
+            what FP8 copies stay alive (memory for speed; :mod:`fp8flow_ao.weight_cache`). Every mode
+            gives bit-identical results.
         ep_group: expert parallelism: the process group over which the experts are split. Then
             ``w1``, ``w2``, ``w3`` are this rank's ``E_local`` experts (rank ``p`` owns global experts
             ``[p * E_local, (p + 1) * E_local)``), ``selected_experts_indices`` are global ids in
@@ -233,8 +232,9 @@ def fp8flow_routed_experts(
             f"{tuple(selected_experts_indices.shape)} must both be [T={x.shape[0]}, k]"
         )
     check_same_device(x=x, top_scores=top_scores, selected_experts_indices=selected_experts_indices, w1=w1)
+    check_weight_cache_mode(weight_cache)
     return _FP8FlowRoutedExperts.apply(
-        x, top_scores, selected_experts_indices, w1, w2, w3, bool(recompute_experts), ep_group
+        x, top_scores, selected_experts_indices, w1, w2, w3, bool(recompute_experts), weight_cache, ep_group
     )
 
 
@@ -256,6 +256,7 @@ class FP8FlowGroupedExperts:
     """
 
     fp8flow_recompute_experts: bool = False
+    fp8flow_weight_cache: str = "off"
     # Set by fp8flow_ao.parallel.expert_parallel's apply (torchtitan's expert_parallel_degree > 1).
     fp8flow_ep_group: dist.ProcessGroup | None = None
 
@@ -269,6 +270,7 @@ class FP8FlowGroupedExperts:
             w2,
             w3,
             recompute_experts=self.fp8flow_recompute_experts,
+            weight_cache=self.fp8flow_weight_cache,
             ep_group=self.fp8flow_ep_group,
         )
 
@@ -352,20 +354,25 @@ def check_moe_layer(module: nn.Module, fqn: str = "") -> None:
         )
 
 
-def convert_moe_layer(module: nn.Module, recompute_experts: bool = False, fqn: str = "") -> nn.Module:
+def convert_moe_layer(
+    module: nn.Module, recompute_experts: bool = False, fqn: str = "", weight_cache: str = "off"
+) -> nn.Module:
     """Install the FP8-Flow routed-expert path on a torchtitan-style MoE layer, in place.
 
     The layer's class becomes a subclass of its own (``isinstance(module, MoE)`` still holds) whose
     ``forward`` quantizes once before dispatch and runs :func:`fp8flow_routed_experts` in its
     ``experts`` module; parameters stay plain ``nn.Parameter`` s, so ``state_dict`` is unchanged.
     Raises ``ValueError`` (see :func:`check_moe_layer`) for unsupported layers or a second conversion.
+    ``weight_cache`` is :func:`fp8flow_routed_experts`'s.
     """
     check_moe_layer(module, fqn)
+    check_weight_cache_mode(weight_cache)
     if "torchtitan" in sys.modules:  # its expert_parallel_degree must dispatch this layer in FP8
         from fp8flow_ao.torchtitan.expert_parallel import install
 
         install()
     _swap_class(module.experts, FP8FlowGroupedExperts)
     module.experts.fp8flow_recompute_experts = bool(recompute_experts)
+    module.experts.fp8flow_weight_cache = weight_cache
     _swap_class(module, FP8FlowMoE)
     return module

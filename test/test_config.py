@@ -66,6 +66,13 @@ def test_config_fields_and_validation():
         FP8FlowConfig(recompute_experts=True, recipe="rowwise")
     with pytest.raises(TypeError, match="module_filter must be callable"):
         FP8FlowConfig(module_filter="layers.0.moe")
+    assert FP8FlowConfig().weight_cache == "off"  # no FP8 weight copy outlives a GEMM unless asked for
+
+
+def test_weight_cache_reaches_the_experts():
+    model = _Model()
+    quantize_(model, FP8FlowConfig(weight_cache="forward"))
+    assert all(block.moe.experts.fp8flow_weight_cache == "forward" for block in model.layers)
 
 
 def test_plain_quantize_call_converts_every_moe_layer():

@@ -143,8 +143,8 @@ def test_two_activation_casts_per_step(runs, recompute):
     """Forward x and backward dy are the only explicit BF16->FP8 casts; weights quantized once each."""
     counts = runs["balanced"][recompute]["counts"]
     assert counts["quantize_1x128"] == 2 and counts["quantize_dual_1x128"] == 0
-    # w1, w3 (concatenated in FP8), w2 in forward; their exact transposes for the dgrads in backward
-    assert counts["quantize_128x128"] == 6
+    # W13 = [w1; w3] (one pass, one buffer) and w2 in forward; their exact transposes in backward
+    assert counts["quantize_128x128"] == 4
     assert counts["dequantize"] == 0
     assert counts["grouped_gemm_fp8_blockwise"] == 4 + recompute  # FC1, FC2, 2 dgrads (+ FC1 again)
     assert counts["swiglu_quant"] == 1 + recompute

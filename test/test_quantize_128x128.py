@@ -85,6 +85,14 @@ def test_deepseek_weight_shape_on_gpu():
     _assert_outputs_equal(launch_quantize_128x128(w), quantize_128x128_reference(w))
 
 
+@pytest.mark.gpu
+def test_deepseek_w13_in_one_pass_on_gpu():
+    """W13 = [w1; w3] at the DeepSeek-like shape (H=2048, D=7168): one pass equals the concatenation's."""
+    w1, w3 = _weights((2, 2048, 7168), torch.bfloat16), _weights((2, 2048, 7168), torch.bfloat16).flip(-2)
+    expected = quantize_128x128_reference(torch.cat([w1, w3], dim=1))
+    _assert_outputs_equal(launch_quantize_128x128(w1, w_tail=w3), expected)
+
+
 @pytest.mark.parametrize("with_transpose", [True, False])
 @pytest.mark.parametrize("shape", [(256, 384), (2, 128, 256)])
 def test_op_dispatch_and_compile(with_transpose, shape):
@@ -136,6 +144,52 @@ def test_transpose_only_is_the_transposed_half(dtype):
     assert_fp8_equal(public[2], full[2], "data_t")
     ref = quantize_128x128_reference(w.cpu(), with_data=False)
     assert ref[0].numel() == 0 and torch.equal(ref[2].view(torch.uint8), full[2].cpu().view(torch.uint8))
+
+
+# (w shape, w_tail shape): the MoE layer's W13 = [w1; w3] (equal halves), uneven halves, 2-D weights
+TAIL_SHAPES = [((2, 128, 256), (2, 128, 256)), ((3, 256, 128), (3, 128, 128)), ((128, 384), (256, 384))]
+
+
+@pytest.mark.parametrize(("shape", "tail_shape"), TAIL_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("with_data", "with_transpose"), [(True, True), (True, False), (False, True)])
+def test_tail_equals_quantizing_the_concatenation(shape, tail_shape, dtype, with_data, with_transpose):
+    """One pass over [w; w_tail] gives, bit for bit, the quantization of the high-precision concatenation."""
+    w, tail = _weights(shape, dtype), _weights(tail_shape, dtype).flip(-2)  # tail tiles get other scales
+    expected = quantize_128x128_reference(torch.cat([w, tail], dim=-2).cpu(), with_transpose, with_data)
+    _assert_outputs_equal(launch_quantize_128x128(w, with_transpose, with_data, w_tail=tail), expected)
+    public = quantize_128x128(w, with_transpose, with_data, w_tail=tail)
+    for a, e in zip(public, expected, strict=True):
+        if e.numel():
+            (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e)
+        else:
+            assert a is None
+
+
+def test_tail_compiles_and_passes_opcheck():
+    w, tail = _weights((2, 128, 256), torch.bfloat16), _weights((2, 256, 256), torch.bfloat16)
+    torch.library.opcheck(torch.ops.fp8flow.quantize_128x128.default, (w, True, True, tail))
+    eager = quantize_128x128(w, w_tail=tail)
+    compiled = torch.compile(quantize_128x128, fullgraph=True)(w, w_tail=tail)
+    assert compiled[0].shape == (2, 384, 256) and compiled[2].shape == (2, 256, 384)
+    for a, e in zip(compiled, eager, strict=True):
+        (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e)
+
+
+@pytest.mark.parametrize(
+    ("tail", "error", "match"),
+    [
+        (torch.zeros(2, 128, 256, dtype=torch.float32), TypeError, "w_tail must have dtype"),
+        (torch.zeros(128, 256, dtype=torch.bfloat16), ValueError, "w_tail must have 3 dims"),
+        (torch.zeros(3, 128, 256, dtype=torch.bfloat16), ValueError, "w_tail must match w"),
+        (torch.zeros(2, 128, 384, dtype=torch.bfloat16), ValueError, "w_tail must match w"),
+        (torch.zeros(2, 64, 256, dtype=torch.bfloat16), ValueError, r"w_tail dim N \(-2\) must be a multiple"),
+        (torch.zeros(2, 256, 128, dtype=torch.bfloat16).transpose(1, 2), ValueError, "w_tail must be contiguous"),
+    ],
+)
+def test_tail_bad_input(tail, error, match):
+    with pytest.raises(error, match=match):
+        quantize_128x128(torch.zeros(2, 128, 256, dtype=torch.bfloat16), w_tail=tail)
 
 
 def test_nothing_requested_is_an_error():

@@ -203,6 +203,21 @@ def test_converter_options_reach_fp8flow_config() -> None:
     assert fqn_filter([]) is None
 
 
+def test_weight_cache_option_reaches_the_layers_and_the_hook_drops_the_cache() -> None:
+    from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE
+
+    cfg = parse("--job.custom_config_module", "fp8flow_ao.torchtitan.job_config", "--fp8flow.weight_cache", "step")
+    converter = FP8FlowConverter(cfg, None)
+    assert converter.config().weight_cache == "step"
+    w = torch.nn.Parameter(torch.randn(128, 128))
+    EXPERT_WEIGHT_CACHE.get((w,), w.detach().clone)
+    converter.post_optimizer_hook(torch.nn.Module())  # after the optimizer step: every FP8 copy dropped
+    assert len(EXPERT_WEIGHT_CACHE) == 0
+    cfg.fp8flow.weight_cache = "always"
+    with pytest.raises(ValueError, match="weight_cache must be one of"):
+        FP8FlowConverter(cfg, None).config()
+
+
 def debug_args(n_layers: int = 3):
     from torchtitan.models.deepseek_v3 import deepseekv3_args
 

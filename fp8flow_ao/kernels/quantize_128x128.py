@@ -6,6 +6,12 @@ and write the tile to ``data`` and, transposed, to ``data_t``. A 128 x 128 block
 transpose, so ``data_t[e] == data[e].T`` bit for bit and ``scale_inv_t[e] == scale_inv[e].T``: the
 dgrad operand is the forward operand transposed, never a second quantization.
 
+``w_tail`` quantizes the row concatenation ``cat([w, w_tail], dim=-2)`` without materializing it
+(the MoE layer's ``W13 = [w1; w3]``): each program reads its tile from whichever input holds its
+rows and writes straight into the joined outputs, so no FP8 ``torch.cat`` follows. Both row counts
+are multiples of 128, so no tile spans the two inputs and the result is, bit for bit, the
+quantization of the BF16 concatenation.
+
 Layouts (all contiguous, row-major): ``w`` ``[E, N, K]`` or ``[N, K]``; ``data`` like ``w``;
 ``scale_inv`` fp32 ``[E, N/128, K/128]``; ``data_t`` ``[E, K, N]``; ``scale_inv_t`` ``[E, K/128, N/128]``.
 ``scale_inv`` is the dequantize multiplier: ``w ~= data * scale_inv`` broadcast over each tile.
@@ -13,11 +19,13 @@ Layouts (all contiguous, row-major): ``w`` ``[E, N, K]`` or ``[N, K]``; ``data``
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from fp8flow_ao._checks import check_contiguous, check_multiple, check_tensor
+from fp8flow_ao._checks import check_contiguous, check_multiple, check_same_device, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._triton_common import nan_free_abs, pow2_scale_inv_and_scale
 
@@ -44,18 +52,22 @@ def quantize_128x128_configs() -> list[triton.Config]:
 @triton.jit
 def _quantize_128x128_kernel(
     w_ptr,
+    tail_ptr,
     data_ptr,
     scale_inv_ptr,
     data_t_ptr,
     scale_inv_t_ptr,
     N,
+    N_HEAD,
     K,
     WITH_DATA: tl.constexpr,
     WITH_TRANSPOSE: tl.constexpr,
     TILE: tl.constexpr,
 ):
     """One program: tile (``pid_n``, ``pid_k``) of expert ``e``; the K tile index varies fastest so
-    neighbouring programs read neighbouring tiles of the same rows."""
+    neighbouring programs read neighbouring tiles of the same rows. Rows ``[0, N_HEAD)`` of the
+    ``N`` output rows come from ``w_ptr`` ``[E, N_HEAD, K]``, the rest from ``tail_ptr``
+    ``[E, N - N_HEAD, K]`` (``N_HEAD == N``: no tail)."""
     pid = tl.program_id(0)
     tiles_n = N // TILE
     tiles_k = K // TILE
@@ -65,7 +77,12 @@ def _quantize_128x128_kernel(
     rows = (pid_n * TILE + tl.arange(0, TILE)).to(tl.int64)
     cols = (pid_k * TILE + tl.arange(0, TILE)).to(tl.int64)
     base = e * N * K
-    w = tl.load(w_ptr + base + rows[:, None] * K + cols[None, :])
+    # A whole tile lies in one input (N_HEAD is a multiple of TILE): one scalar branch per program.
+    if pid_n * TILE < N_HEAD:
+        src = w_ptr + e * N_HEAD * K + rows[:, None] * K + cols[None, :]
+    else:
+        src = tail_ptr + e * (N - N_HEAD) * K + (rows - N_HEAD)[:, None] * K + cols[None, :]
+    w = tl.load(src)
     x = w.to(tl.float32)
     amax = tl.max(tl.max(nan_free_abs(x), axis=1), axis=0)
     scale_inv, scale = pow2_scale_inv_and_scale(amax)
@@ -82,17 +99,25 @@ def _quantize_128x128_kernel(
         tl.store(scale_inv_t_ptr + (e * tiles_k + pid_k) * tiles_n + pid_n, scale_inv)
 
 
-def _output_shapes(shape: torch.Size) -> tuple[tuple[int, ...], ...]:
+def _joined_shape(w: torch.Tensor, w_tail: torch.Tensor | None) -> tuple[int, ...]:
+    """Shape of ``cat([w, w_tail], dim=-2)`` (``w``'s shape without a tail)."""
+    *lead, n, k = w.shape
+    return (*lead, n + (0 if w_tail is None else w_tail.shape[-2]), k)
+
+
+def _output_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """Shapes of (data, scale_inv, data_t, scale_inv_t) for weights of ``shape`` (``[..., N, K]``)."""
     *lead, n, k = shape
     nb, kb = n // BLOCK, k // BLOCK
     return (*lead, n, k), (*lead, nb, kb), (*lead, k, n), (*lead, kb, nb)
 
 
-def _allocate(w: torch.Tensor, with_transpose: bool, with_data: bool) -> tuple[torch.Tensor, ...]:
-    """Outputs for ``w``; an orientation not asked for is a pair of empty ``(0,)`` tensors (a custom op
-    cannot return ``None``)."""
-    shapes = _output_shapes(w.shape)
+def _allocate(
+    w: torch.Tensor, with_transpose: bool, with_data: bool, w_tail: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Outputs for ``cat([w, w_tail], dim=-2)``; an orientation not asked for is a pair of empty ``(0,)``
+    tensors (a custom op cannot return ``None``)."""
+    shapes = _output_shapes(_joined_shape(w, w_tail))
     wanted = (with_data, with_data, with_transpose, with_transpose)
     shapes = tuple(shape if want else (0,) for shape, want in zip(shapes, wanted, strict=True))
     dtypes = (FP8_DTYPE, torch.float32, FP8_DTYPE, torch.float32)
@@ -104,26 +129,33 @@ _tuned_kernel = triton.autotune(configs=quantize_128x128_configs(), key=["N", "K
 
 
 def launch_quantize_128x128(
-    w: torch.Tensor, with_transpose: bool = True, with_data: bool = True, config: triton.Config | None = None
+    w: torch.Tensor,
+    with_transpose: bool = True,
+    with_data: bool = True,
+    w_tail: torch.Tensor | None = None,
+    config: triton.Config | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`quantize_128x128`.
 
     ``config=None`` autotunes on a GPU and takes the first of :func:`quantize_128x128_configs`
     elsewhere (the interpreter cannot time kernels); tests pass each config to prove they agree.
     """
-    n, k = w.shape[-2:]
-    data, scale_inv, data_t, scale_inv_t = _allocate(w, with_transpose, with_data)
-    num_tiles = w.numel() // (BLOCK * BLOCK)
+    shape = _joined_shape(w, w_tail)
+    n_head, (n, k) = w.shape[-2], shape[-2:]
+    data, scale_inv, data_t, scale_inv_t = _allocate(w, with_transpose, with_data, w_tail)
+    num_tiles = math.prod(shape) // (BLOCK * BLOCK)
     if num_tiles == 0:
         return data, scale_inv, data_t, scale_inv_t
     # An output not asked for is never touched: any pointer of the right dtype stands in for it.
     args = (
         w,
+        w if w_tail is None else w_tail,  # without a tail the branch that reads it is never taken
         data if with_data else data_t,
         scale_inv if with_data else scale_inv_t,
         data_t if with_transpose else data,
         scale_inv_t if with_transpose else scale_inv,
         n,
+        n_head,
         k,
     )
     flags = {"WITH_DATA": with_data, "WITH_TRANSPOSE": with_transpose, "TILE": BLOCK}
@@ -136,10 +168,13 @@ def launch_quantize_128x128(
 
 
 def quantize_128x128_reference(
-    w: torch.Tensor, with_transpose: bool = True, with_data: bool = True
+    w: torch.Tensor, with_transpose: bool = True, with_data: bool = True, w_tail: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, ...]:
     """Torch reference (the oracle and the CPU path): each 128 x 128 tile is flattened into one
-    16384-wide row block and quantized by :func:`quantize_rows_reference`."""
+    16384-wide row block and quantized by :func:`quantize_rows_reference`. A tail is joined in high
+    precision first: the definition the fused kernel must match."""
+    if w_tail is not None:
+        w = torch.cat([w, w_tail], dim=-2)
     *lead, n, k = w.shape
     nb, kb = n // BLOCK, k // BLOCK
     tiles = w.reshape(*lead, nb, BLOCK, kb, BLOCK).transpose(-3, -2).reshape(*lead, nb, kb, BLOCK * BLOCK)
@@ -154,9 +189,9 @@ def quantize_128x128_reference(
 
 @torch.library.custom_op("fp8flow::quantize_128x128", mutates_args=())
 def _quantize_128x128_op(
-    w: torch.Tensor, with_transpose: bool, with_data: bool
+    w: torch.Tensor, with_transpose: bool, with_data: bool, w_tail: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_128x128_reference(w, with_transpose, with_data)
+    return quantize_128x128_reference(w, with_transpose, with_data, w_tail)
 
 
 _quantize_128x128_op.register_kernel("cuda")(launch_quantize_128x128)
@@ -164,13 +199,13 @@ _quantize_128x128_op.register_kernel("cuda")(launch_quantize_128x128)
 
 @_quantize_128x128_op.register_fake
 def _(
-    w: torch.Tensor, with_transpose: bool, with_data: bool
+    w: torch.Tensor, with_transpose: bool, with_data: bool, w_tail: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _allocate(w, with_transpose, with_data)
+    return _allocate(w, with_transpose, with_data, w_tail)
 
 
 def quantize_128x128(
-    w: torch.Tensor, with_transpose: bool = True, with_data: bool = True
+    w: torch.Tensor, with_transpose: bool = True, with_data: bool = True, w_tail: torch.Tensor | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Quantize weights to E4M3 with one power-of-two scale per 128 x 128 tile.
 
@@ -181,9 +216,14 @@ def quantize_128x128(
         with_data: return the forward orientation; ``False`` with ``with_transpose=True`` gives only the
             transposed copy (the MoE backward re-quantizes weights this way instead of keeping FP8
             copies of every layer's weights alive from forward to backward).
+        w_tail: optional ``[E, N2, K]`` (or ``[N2, K]``) rows appended below ``w``: the result is that of
+            ``cat([w, w_tail], dim=-2)`` ``[E, N + N2, K]``, bit for bit, written in one pass without
+            the concatenation (the MoE layer's ``W13 = [w1; w3]``). Same dtype, device, leading dims
+            and ``K`` as ``w``; contiguous; ``N2`` a multiple of 128.
 
     Returns:
-        ``(data, scale_inv, data_t, scale_inv_t)``, all contiguous (no ``E`` dim for a 2-D ``w``):
+        ``(data, scale_inv, data_t, scale_inv_t)``, all contiguous (no ``E`` dim for a 2-D ``w``;
+        ``N`` below counts the tail's rows too):
 
         * ``data`` E4M3 ``[E, N, K]``, row-major (K contiguous); ``None`` unless ``with_data``.
         * ``scale_inv`` fp32 ``[E, N/128, K/128]``: the dequantize multiplier of each tile
@@ -202,6 +242,16 @@ def quantize_128x128(
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if not (with_data or with_transpose):
         raise ValueError("with_data and with_transpose are both False: nothing to compute")
-    data, scale_inv, data_t, scale_inv_t = torch.ops.fp8flow.quantize_128x128(w, with_transpose, with_data)
+    if w_tail is not None:
+        check_tensor("w_tail", w_tail, dtypes=w.dtype, ndim=w.dim())
+        check_contiguous("w_tail", w_tail)
+        check_same_device(w=w, w_tail=w_tail)
+        if w_tail.shape[:-2] != w.shape[:-2] or w_tail.shape[-1] != w.shape[-1]:
+            raise ValueError(
+                f"w_tail must match w [..., N, K] in every dim but N (-2): w {tuple(w.shape)}, "
+                f"w_tail {tuple(w_tail.shape)}"
+            )
+        check_multiple("w_tail", w_tail.shape[-2], what="dim N (-2)")
+    data, scale_inv, data_t, scale_inv_t = torch.ops.fp8flow.quantize_128x128(w, with_transpose, with_data, w_tail)
     forward = (data, scale_inv) if with_data else (None, None)
     return (*forward, *((data_t, scale_inv_t) if with_transpose else (None, None)))

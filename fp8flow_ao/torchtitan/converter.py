@@ -23,6 +23,7 @@ from torchtitan.tools.logging import logger
 from fp8flow_ao.torchtitan.expert_parallel import install as install_expert_parallel
 from fp8flow_ao.torchtitan.expert_parallel import unsupported_style_error
 from fp8flow_ao.torchtitan.job_config import FP8Flow
+from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE
 
 CONVERTER_NAME = "fp8flow"
 
@@ -92,6 +93,7 @@ class FP8FlowConverter(ModelConverter):
             recompute_experts=self.options.recompute_experts,
             recipe=self.options.recipe,
             module_filter=fqn_filter(self.options.filter_fqns),
+            weight_cache=self.options.weight_cache,
         )
 
     def convert(self, model: nn.Module) -> None:
@@ -102,8 +104,16 @@ class FP8FlowConverter(ModelConverter):
             _check_expert_counts(model, self.ep_degree)
         logger.info(
             f"fp8flow: converted the MoE layers to FP8-Flow (recipe={self.options.recipe}, "
-            f"recompute_experts={self.options.recompute_experts}, skipped fqns={self.options.filter_fqns})"
+            f"recompute_experts={self.options.recompute_experts}, weight_cache={self.options.weight_cache}, "
+            f"skipped fqns={self.options.filter_fqns})"
         )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
-        """Nothing to do: weights are quantized in each forward from the updated high-precision copy."""
+        """Drop the cached FP8 weights (``weight_cache="step"``): the optimizer just changed them.
+
+        The cache already misses on a changed version counter; this explicit drop also covers FSDP2,
+        whose all-gather into the unsharded parameters keeps their version counters, and frees the
+        stale FP8 copies before the next forward allocates new ones.
+        """
+        if self.options.weight_cache == "step":
+            EXPERT_WEIGHT_CACHE.invalidate()

@@ -8,6 +8,7 @@ torchtitan 0.2.2 merges a custom ``JobConfig`` dataclass into its own when given
     recompute_experts = false
     recipe = "blockwise"
     filter_fqns = ["layers.1."]
+    weight_cache = "off"
 """
 
 # No ``from __future__ import annotations`` here: torchtitan merges these dataclasses into a class of
@@ -27,6 +28,11 @@ class FP8Flow:
     filter_fqns: list[str] = field(default_factory=list)
     """MoE layers to leave in BF16: a layer is skipped if its fully qualified name contains any of these
     strings (the meaning torchtitan gives ``filter_fqns`` for float8 linears)."""
+
+    weight_cache: Literal["off", "forward", "step"] = "off"
+    """FP8 expert weights: "off" (quantized in forward and again, transposed, in backward; least memory),
+    "forward" (one pass makes both, transposes held until backward) or "step" (cached until the weights
+    change: with gradient accumulation micro-batches 2..n quantize none). See fp8flow_ao.config.FP8FlowConfig."""
 
 
 @dataclass

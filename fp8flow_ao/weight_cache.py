@@ -1,0 +1,231 @@
+"""FP8 expert weights of the FP8-Flow MoE layer: when they are quantized, and a cache that reuses them.
+
+Each step the layer needs its expert weights as 128 x 128 FP8 tiles twice: ``W13 = [w1; w3]``
+``[E, 2H, D]`` and ``w2`` ``[E, D, H]`` for the forward GEMMs, and their exact transposes ``[E, D, 2H]``,
+``[E, H, D]`` for the backward dgrads (:func:`~fp8flow_ao.kernels.quantize_128x128.quantize_128x128`
+writes both orientations in one pass, and W13 straight into one buffer). ``weight_cache`` chooses how
+often that happens, trading memory for speed:
+
+* ``"off"``: forward quantizes the forward orientation, backward quantizes the transposes again from
+  the same high-precision weights (the same bits). Nothing FP8 of the weights outlives its GEMM:
+  the least memory; each BF16 weight byte is read twice per micro-batch.
+* ``"forward"``: forward writes both orientations in one pass and keeps the transposes for backward
+  (and W13 itself with ``recompute_experts``). Reads the BF16 weights once per micro-batch, saves one
+  ``quantize_128x128`` launch per weight; costs ``3*E*H*D`` bytes per layer (half the BF16 weight
+  bytes; + ``2*E*H*D`` for W13 with recompute) held from the layer's forward to its backward, i.e.
+  every layer's at once at the forward/backward boundary. Works under ``torch.compile``.
+* ``"step"``: both orientations are cached across micro-batches and steps (:class:`FP8WeightCache`,
+  :data:`EXPERT_WEIGHT_CACHE`) and re-quantized on the first use after the weights change: with
+  gradient accumulation micro-batches 2..n quantize nothing. Costs ``6*E*H*D`` bytes per layer (as
+  many bytes as the BF16 weights) for as long as the weights live. Eager mode only: inside
+  ``torch.compile`` it acts as ``"forward"`` (see below).
+
+Measured on one H200 (``bench_moe_layer.py``, DeepSeek-like T=4096, D=7168, H=2048, E=32): to be
+filled in from the lead's GPU run (forward + backward ms and peak memory per mode).
+
+When is a cached entry stale? An entry is keyed on each source tensor's identity (a weak reference to
+the tensor, or to its base for a view such as a DTensor's ``to_local()``), ``data_ptr``, shape,
+strides, dtype, device and autograd version counter (``_version``). Every in-place write that goes
+through the dispatcher bumps the version: the optimizer's ``step()``, ``copy_``, ``load_state_dict``,
+``nn.init`` and edits under ``torch.no_grad()``. Rebinding ``param.data = new`` changes ``data_ptr``; a
+dead tensor never matches (weak reference), so a new tensor at the same address cannot hit an old
+entry. Two kinds of writes bypass the version counter and need :meth:`FP8WeightCache.invalidate`:
+writes through ``param.data`` (a fresh version counter by design) and FSDP2's all-gather into the
+unsharded parameters (it runs under ``torch.autograd._unsafe_preserve_version_counter``, so a
+re-gather into the same storage looks unchanged). The torchtitan converter therefore invalidates
+after every optimizer step (``post_optimizer_hook``); with FSDP2 outside torchtitan call
+``EXPERT_WEIGHT_CACHE.invalidate()`` after ``optimizer.step()``. Under FSDP2 the cache is meant to sit
+on the sharded side instead: keyed on the local shard (the tensor the optimizer updates, whose
+version does bump), fed to the FP8 all-gather; :meth:`FP8WeightCache.get` takes any sources and any
+producer for that reason.
+
+``torch.compile``: the lookup is Python state (a dict, weak references, version counters) that
+dynamo cannot trace into a reusable graph, and a compiled graph may reuse the memory of a buffer it
+believes it owns, which a cached tensor handed out of a custom op would be. So under compilation
+``"step"`` quantizes both orientations in the forward (``"forward"``'s graph, the same bits) and the
+cache serves eager runs. Activation checkpointing and ``recompute_experts`` see the same bits either
+way: quantization is deterministic and a cache hit returns the tensors a fresh quantization makes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
+
+WEIGHT_CACHE_MODES = ("off", "forward", "step")
+
+T = TypeVar("T")
+
+
+class ExpertWeightsFP8(NamedTuple):
+    """One MoE layer's expert weights as 128 x 128 E4M3 tiles; ``None`` where not made (or not kept).
+
+    ``w13`` ``[E, 2H, D]`` (FC1's RHS, ``[w1; w3]``), ``w13_t`` ``[E, D, 2H]`` (FC1 dgrad), ``w2``
+    ``[E, D, H]`` (FC2), ``w2_t`` ``[E, H, D]`` (FC2 dgrad); each ``*_scale`` the fp32 ``scale_inv`` of
+    its tiles, ``[E, rows/128, cols/128]``. Transposes are bit for bit the forward tiles transposed.
+    """
+
+    w13: torch.Tensor | None
+    w13_scale: torch.Tensor | None
+    w13_t: torch.Tensor | None
+    w13_t_scale: torch.Tensor | None
+    w2: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+    w2_t: torch.Tensor | None
+    w2_t_scale: torch.Tensor | None
+
+
+NOTHING = ExpertWeightsFP8(*(None,) * len(ExpertWeightsFP8._fields))
+
+
+def quantize_expert_weights(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, with_w13: bool, with_w2: bool, with_transpose: bool
+) -> ExpertWeightsFP8:
+    """Quantize ``W13 = [w1; w3]`` (one pass, one buffer: no FP8 concatenation) and ``w2``.
+
+    ``w1``, ``w3`` ``[E, H, D]``, ``w2`` ``[E, D, H]``, bf16/fp32. ``with_w13``/``with_w2`` ask for the
+    forward orientations, ``with_transpose`` for both transposes (written by the same passes).
+    """
+    w13 = quantize_128x128(w1.contiguous(), with_transpose, with_w13, w_tail=w3.contiguous())
+    w2_q = quantize_128x128(w2.contiguous(), with_transpose, with_w2) if with_w2 or with_transpose else (None,) * 4
+    return ExpertWeightsFP8(*w13, *w2_q)
+
+
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose lifetime bounds ``t``'s: its base for a view (e.g. a DTensor's ``to_local()``, a
+    new view object per call), else ``t`` itself."""
+    return t if t._base is None else t._base
+
+
+def _state(t: torch.Tensor) -> tuple:
+    """What must be unchanged for a value made from ``t`` to hold (identity is checked separately)."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
+
+
+class _Entry(NamedTuple):
+    owners: tuple[weakref.ref, ...]
+    states: tuple[tuple, ...]
+    value: object
+
+
+class FP8WeightCache:
+    """Values derived from tensors (e.g. their FP8 quantization), reused while those tensors are unchanged.
+
+    :meth:`get` returns the stored value when every source is the same live tensor (or a view of the
+    same base) at the same address, shape, strides, dtype, device and version counter as when the value
+    was made; otherwise it calls ``produce`` and stores the result in place of the old one (the old
+    value is freed once nothing else holds it). An entry dies with its sources. See the module
+    docstring for the writes the version counter does not see (``param.data``, FSDP2's all-gather):
+    call :meth:`invalidate` after those.
+
+    Stored values must never be written to: callers share them.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, ...], _Entry] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, sources: Sequence[torch.Tensor], produce: Callable[[], T]) -> T:
+        """The value made by ``produce()`` from ``sources``: cached, or made now and cached."""
+        if any(t.is_inference() for t in sources):  # no version counter to key on: never cache
+            return produce()
+        owners = tuple(_owner(t) for t in sources)
+        key = tuple(id(o) for o in owners)
+        states = tuple(_state(t) for t in sources)
+        entry = self._entries.get(key)
+        if (
+            entry is not None
+            and all(ref() is o for ref, o in zip(entry.owners, owners, strict=True))
+            and entry.states == states
+        ):
+            self.hits += 1
+            return entry.value  # type: ignore[return-value]
+        self.misses += 1
+        self._entries.pop(key, None)  # free the stale value before making the new one
+        value = produce()
+        refs = tuple(weakref.ref(o, self._forget(key)) for o in owners)
+        self._entries[key] = _Entry(refs, states, value)
+        return value
+
+    def _forget(self, key: tuple[int, ...]) -> Callable[[weakref.ref], None]:
+        """Weak-reference callback: drop the entry when one of its sources dies (ids may then be reused)."""
+        cache = weakref.ref(self)  # the callback must not keep the cache alive
+
+        def forget(ref: weakref.ref) -> None:
+            live = cache()
+            entry = None if live is None else live._entries.get(key)
+            if entry is not None and any(r is ref for r in entry.owners):  # not a newer entry's
+                del live._entries[key]
+
+        return forget
+
+    def invalidate(self) -> None:
+        """Drop every entry (after writes the version counter cannot see: ``param.data``, FSDP2 gathers)."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def nbytes(self) -> int:
+        """Bytes held by the cached tensors."""
+        return sum(
+            t.untyped_storage().nbytes()
+            for e in self._entries.values()
+            for t in tree_leaves(e.value)
+            if isinstance(t, torch.Tensor)
+        )
+
+
+EXPERT_WEIGHT_CACHE = FP8WeightCache()
+"""The process-wide cache the MoE layers use with ``weight_cache="step"`` (keyed by their weights)."""
+
+
+def check_weight_cache_mode(mode: object) -> None:
+    """Raise ``ValueError`` unless ``mode`` is one of :data:`WEIGHT_CACHE_MODES`."""
+    if mode not in WEIGHT_CACHE_MODES:
+        raise ValueError(f"weight_cache must be one of {WEIGHT_CACHE_MODES}, got {mode!r}")
+
+
+def weights_for_forward(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mode: str) -> ExpertWeightsFP8:
+    """The FP8 weights a forward uses: the forward orientation (``"off"``), or both (``"forward"``, ``"step"``)."""
+    if mode == "off":
+        return quantize_expert_weights(w1, w2, w3, with_w13=True, with_w2=True, with_transpose=False)
+
+    def both() -> ExpertWeightsFP8:
+        return quantize_expert_weights(w1, w2, w3, with_w13=True, with_w2=True, with_transpose=True)
+
+    # Compiled graphs quantize in the graph (module docstring); the branch is resolved while tracing.
+    if mode == "forward" or torch.compiler.is_compiling():
+        return both()
+    return EXPERT_WEIGHT_CACHE.get((w1, w2, w3), both)
+
+
+def kept_for_backward(q: ExpertWeightsFP8, recompute: bool) -> ExpertWeightsFP8:
+    """What of the forward's FP8 weights backward keeps: the transposes when made (+ W13 to recompute FC1)."""
+    if q.w13_t is None:
+        return NOTHING
+    w13 = (q.w13, q.w13_scale) if recompute else (None, None)
+    return ExpertWeightsFP8(*w13, q.w13_t, q.w13_t_scale, None, None, q.w2_t, q.w2_t_scale)
+
+
+def split_kept(saved: Sequence[torch.Tensor | None]) -> tuple[ExpertWeightsFP8, Sequence[torch.Tensor | None]]:
+    """Backward's ``saved_tensors`` after the leading ones: (what :func:`kept_for_backward` kept, the rest)."""
+    n = len(ExpertWeightsFP8._fields)
+    return ExpertWeightsFP8(*saved[:n]), saved[n:]
+
+
+def weights_for_backward(
+    kept: ExpertWeightsFP8, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, recompute: bool
+) -> ExpertWeightsFP8:
+    """The FP8 weights backward needs: what forward kept, or (``"off"``) the transposes quantized again
+    from the same weights -- the same bits -- plus W13 when FC1 is recomputed."""
+    if kept.w13_t is not None:
+        return kept
+    return quantize_expert_weights(w1, w2, w3, with_w13=recompute, with_w2=False, with_transpose=True)

@@ -1,0 +1,287 @@
+"""FP8 expert weights quantized once per optimizer step: the cache never serves stale data, every
+weight_cache mode gives bit-identical results, and each mode quantizes as often as it promises.
+
+Stale cases: optimizer step, in-place ``copy_``, ``load_state_dict``, edits under ``no_grad``,
+``param.data = new``, a dead weight whose address is reused; writes through ``param.data`` are the
+documented blind spot (``invalidate``). Layer cases: eager, ``torch.compile(fullgraph=True)``,
+gradient accumulation, activation checkpointing, ``recompute_experts``.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import DEVICE
+from torch.utils.checkpoint import checkpoint
+
+from fp8flow_ao.config import FP8FlowConfig
+from fp8flow_ao.debug import FP8FlowOpCounter
+from fp8flow_ao.moe import fp8flow_routed_experts
+from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE, WEIGHT_CACHE_MODES, FP8WeightCache
+
+TOKENS, DIM, HIDDEN, EXPERTS, TOP_K = 128, 256, 128, 4, 2
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():
+    EXPERT_WEIGHT_CACHE.invalidate()
+    yield
+    EXPERT_WEIGHT_CACHE.invalidate()
+
+
+class _Producer:
+    """``produce`` for :meth:`FP8WeightCache.get` that counts its calls and returns a fresh tensor each time."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w, self.calls = w, 0
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        return self.w.detach() * 2
+
+
+def _param() -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.randn(2, 128, 128))
+
+
+def test_hit_returns_the_stored_value():
+    cache, w = FP8WeightCache(), _param()
+    produce = _Producer(w)
+    first = cache.get((w,), produce)
+    assert cache.get((w,), produce) is first and produce.calls == 1
+    assert (cache.hits, cache.misses, len(cache)) == (1, 1, 1)
+    assert cache.nbytes() == first.untyped_storage().nbytes()
+
+
+def _optimizer_step(w):
+    w.grad = torch.randn_like(w)
+    torch.optim.SGD([w], lr=0.1).step()
+
+
+def _copy(w):
+    with torch.no_grad():
+        w.copy_(torch.randn_like(w))
+
+
+def _load_state_dict(w):
+    module = torch.nn.Module()
+    module.w = w
+    module.load_state_dict({"w": torch.randn_like(w)})
+
+
+def _edit_one_expert(w):
+    with torch.no_grad():
+        w[1].mul_(3)
+
+
+def _rebind_data(w):
+    w.data = torch.randn_like(w)
+
+
+@pytest.mark.parametrize("change", [_optimizer_step, _copy, _load_state_dict, _edit_one_expert, _rebind_data])
+def test_any_change_to_the_weight_misses(change):
+    cache, w = FP8WeightCache(), _param()
+    produce = _Producer(w)
+    stale = cache.get((w,), produce).clone()
+    change(w)
+    fresh = cache.get((w,), produce)
+    assert produce.calls == 2 and torch.equal(fresh, w.detach() * 2) and not torch.equal(fresh, stale)
+    assert len(cache) == 1  # replaced, not accumulated
+
+
+def test_views_of_one_base_share_an_entry_and_other_views_do_not():
+    """A DTensor's to_local() is a new view object per call: it must hit; a view of other elements must not."""
+    cache, w = FP8WeightCache(), _param()
+    produce = _Producer(w)
+    first = cache.get((w.view_as(w),), produce)
+    assert cache.get((w.view_as(w),), produce) is first
+    cache.get((w[:1],), produce)
+    assert produce.calls == 2
+
+
+def test_entry_dies_with_its_weight_and_a_new_weight_never_hits():
+    cache = FP8WeightCache()
+    w = _param()
+    cache.get((w,), _Producer(w))
+    shape = w.shape
+    del w
+    gc.collect()
+    assert len(cache) == 0  # the FP8 copy is freed with the weight
+    for _ in range(4):  # new weights, often at the old address with version 0 again
+        w = torch.nn.Parameter(torch.randn(shape))
+        produce = _Producer(w)
+        cache.get((w,), produce)
+        assert produce.calls == 1
+
+
+def test_writes_through_data_are_invisible_until_invalidate():
+    """The documented blind spot: ``.data`` has its own version counter, so only invalidate() helps."""
+    cache, w = FP8WeightCache(), _param()
+    produce = _Producer(w)
+    cache.get((w,), produce)
+    w.data.add_(1)
+    cache.get((w,), produce)
+    assert produce.calls == 1
+    cache.invalidate()
+    assert torch.equal(cache.get((w,), produce), w.detach() * 2) and produce.calls == 2
+
+
+def test_inference_tensors_are_never_cached():
+    cache = FP8WeightCache()
+    with torch.inference_mode():
+        w = torch.randn(128, 128)
+    produce = _Producer(w)
+    cache.get((w,), produce)
+    cache.get((w,), produce)
+    assert produce.calls == 2 and len(cache) == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------------------------
+
+
+def _layer_inputs():
+    x = torch.randn(TOKENS, DIM, device=DEVICE, dtype=torch.bfloat16)
+    probs = torch.rand(TOKENS, TOP_K, device=DEVICE)
+    ids = torch.stack([torch.randperm(EXPERTS, device=DEVICE)[:TOP_K] for _ in range(TOKENS)])
+    grad = torch.randn(TOKENS, DIM, device=DEVICE, dtype=torch.bfloat16)
+    shapes = ((EXPERTS, HIDDEN, DIM), (EXPERTS, DIM, HIDDEN), (EXPERTS, HIDDEN, DIM))
+    weights = [torch.nn.Parameter(torch.randn(s, device=DEVICE, dtype=torch.bfloat16) * 0.05) for s in shapes]
+    return x, probs, ids, grad, weights
+
+
+def _step(fn, x, probs, ids, grad, weights, **kwargs) -> list[torch.Tensor]:
+    """One forward + backward; returns [out, dx, dprobs, dw1, dw2, dw3] and leaves the weights' grads unset."""
+    x, probs = (t.detach().clone().requires_grad_() for t in (x, probs))
+    out = fn(x, probs, ids, *weights, **kwargs)
+    grads = torch.autograd.grad(out, (x, probs, *weights), grad)
+    return [out.detach(), *grads]
+
+
+def _assert_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for name, u, v in zip(("out", "x", "probs", "w1", "w2", "w3"), a, b, strict=True):
+        assert torch.equal(u, v), name
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_modes_are_bit_identical_and_quantize_as_promised(recompute):
+    x, probs, ids, grad, weights = _layer_inputs()
+    results, counts = {}, {}
+    for mode in WEIGHT_CACHE_MODES:
+        with FP8FlowOpCounter() as counter:
+            results[mode] = [
+                _step(
+                    fp8flow_routed_experts, x, probs, ids, grad, weights, recompute_experts=recompute, weight_cache=mode
+                )
+                for _ in range(2)
+            ]
+        counts[mode] = counter.counts["quantize_128x128"]
+        _assert_identical(results[mode][0], results["off"][0])
+        _assert_identical(results[mode][1], results["off"][0])
+    # per micro-batch: "off" W13 + w2 in forward and again in backward; "forward" both in one pass each;
+    # "step" once for both micro-batches (the second is a cache hit)
+    assert counts == {"off": 8, "forward": 4, "step": 2}
+
+
+def test_step_cache_follows_weight_updates_between_micro_batches():
+    """Gradient accumulation, then an optimizer step, then a manual edit: never a stale weight."""
+    x, probs, ids, grad, weights = _layer_inputs()
+    fresh = [w.detach().clone().requires_grad_() for w in weights]  # the "off" twin, updated alike
+
+    def both_agree():
+        cached = _step(fp8flow_routed_experts, x, probs, ids, grad, weights, weight_cache="step")
+        _assert_identical(cached, _step(fp8flow_routed_experts, x, probs, ids, grad, fresh))
+        return cached
+
+    hits = EXPERT_WEIGHT_CACHE.hits
+    with FP8FlowOpCounter() as counter:
+        both_agree()
+        both_agree()  # micro-batch 2 reuses the weights
+    assert counter.counts["quantize_128x128"] == 2 + 2 * 4 and EXPERT_WEIGHT_CACHE.hits == hits + 1
+    update = [torch.randn_like(w) * 0.01 for w in weights]
+    for group in (weights, fresh):
+        for w, u in zip(group, update, strict=True):
+            w.grad = u.clone()
+        torch.optim.SGD(group, lr=1.0).step()
+    before = both_agree()
+    with torch.no_grad():
+        for group in (weights, fresh):
+            group[1][2].neg_()  # one expert of w2, edited in place outside any optimizer
+    after = both_agree()
+    assert not torch.equal(before[0], after[0])
+
+
+@pytest.mark.parametrize("mode", ["forward", "step"])
+def test_modes_keep_the_transposes_for_backward(mode):
+    """ "off" saves no FP8 weight copy (test_moe); the others keep the exact transposes [E, D, 2H], [E, H, D]."""
+    x, probs, ids, _, weights = _layer_inputs()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fp8flow_routed_experts(x, probs.requires_grad_(), ids, *weights, weight_cache=mode)
+    fp8_weights = sorted(tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn and t.dim() == 3)
+    assert fp8_weights == [(EXPERTS, HIDDEN, DIM), (EXPERTS, DIM, 2 * HIDDEN)]
+    assert (len(EXPERT_WEIGHT_CACHE) == 1) == (mode == "step")
+
+
+@pytest.mark.parametrize("mode", ["forward", "step"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_modes_compile_fullgraph_bit_identical(mode, recompute):
+    """Under compile "step" quantizes in the graph ("forward"'s bits) and touches no cache."""
+    x, probs, ids, grad, weights = _layer_inputs()
+    compiled = torch.compile(fp8flow_routed_experts, fullgraph=True, backend="aot_eager")
+    eager = _step(fp8flow_routed_experts, x, probs, ids, grad, weights, recompute_experts=recompute)
+    EXPERT_WEIGHT_CACHE.invalidate()
+    kwargs = {"recompute_experts": recompute, "weight_cache": mode}
+    _assert_identical(_step(compiled, x, probs, ids, grad, weights, **kwargs), eager)
+    assert len(EXPERT_WEIGHT_CACHE) == 0
+
+
+@pytest.mark.parametrize("mode", ["forward", "step"])
+def test_activation_checkpointing_sees_the_same_bits(mode):
+    x, probs, ids, grad, weights = _layer_inputs()
+    plain = _step(fp8flow_routed_experts, x, probs, ids, grad, weights)
+
+    def checkpointed(*args, **kwargs):
+        return checkpoint(fp8flow_routed_experts, *args, use_reentrant=False, **kwargs)
+
+    _assert_identical(_step(checkpointed, x, probs, ids, grad, weights, weight_cache=mode), plain)
+
+
+def test_bad_mode():
+    x, probs, ids, _, weights = _layer_inputs()
+    with pytest.raises(ValueError, match="weight_cache must be one of"):
+        fp8flow_routed_experts(x, probs, ids, *weights, weight_cache="always")
+    with pytest.raises(ValueError, match="weight_cache must be one of"):
+        FP8FlowConfig(weight_cache="always")
+    with pytest.raises(ValueError, match="needs recipe='blockwise'"):
+        FP8FlowConfig(weight_cache="step", recipe="rowwise")
+
+
+@pytest.mark.gpu
+def test_gpu_modes_bit_identical_without_sync_and_compiled():
+    """Triton kernels at a moderate shape: every mode gives the same bits, eager and compiled (inductor),
+    and a "step" cache hit syncs nothing (the key reads only metadata and version counters)."""
+    tokens, dim, hidden, experts, top_k = 2048, 1024, 512, 8, 4
+    x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(tokens, top_k, device="cuda")
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)])
+    grad = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16)
+    shapes = ((experts, hidden, dim), (experts, dim, hidden), (experts, hidden, dim))
+    weights = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.05) for s in shapes]
+    args = (x, probs, ids, grad, weights)
+    off = _step(fp8flow_routed_experts, *args)
+    for mode in ("forward", "step"):
+        _assert_identical(_step(fp8flow_routed_experts, *args, weight_cache=mode), off)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hit = _step(fp8flow_routed_experts, *args, weight_cache="step")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _assert_identical(hit, off)
+    compiled = torch.compile(fp8flow_routed_experts, fullgraph=True)
+    compiled_off = _step(compiled, *args)
+    for mode in ("forward", "step"):
+        _assert_identical(_step(compiled, *args, weight_cache=mode), compiled_off)
