@@ -89,12 +89,19 @@ class FP8FlowConfig(AOBaseConfig):
 
             Measured (H200, ``bench_moe_layer.py``, DeepSeek-like T=4096 D=7168 H=2048 E=32, fwd+bwd
             ms / peak GiB per mode): to be filled in from the GPU run.
+        fsdp_fp8_all_gather: under FSDP2, all-gather the expert weights as 128x128 FP8 tiles + scales
+            (0.50x the BF16 bytes; each rank quantizes only its own shard, once per step) instead of in
+            their own dtype; the layer then uses the gathered tiles directly, and the dgrads' exact
+            transposes are byte transposes of them (:mod:`fp8flow_ao.parallel.fsdp`). Results are
+            bit-identical either way. ``recipe="blockwise"`` only. Off by default until measured
+            against BF16 all-gather on several GPUs (no such run yet).
     """
 
     recompute_experts: bool = False
     recipe: Literal["blockwise", "rowwise"] = "blockwise"
     module_filter: Callable[[nn.Module, str], bool] | None = None
     weight_cache: Literal["off", "forward", "step"] = "off"
+    fsdp_fp8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.recompute_experts, bool):
@@ -106,6 +113,10 @@ class FP8FlowConfig(AOBaseConfig):
         check_weight_cache_mode(self.weight_cache)
         if self.weight_cache != "off" and self.recipe != "blockwise":
             raise ValueError(f"weight_cache={self.weight_cache!r} needs recipe='blockwise' (the fused FP8-Flow path)")
+        if not isinstance(self.fsdp_fp8_all_gather, bool):
+            raise TypeError(f"fsdp_fp8_all_gather must be a bool, got {type(self.fsdp_fp8_all_gather).__name__}")
+        if self.fsdp_fp8_all_gather and self.recipe != "blockwise":
+            raise ValueError("fsdp_fp8_all_gather=True needs recipe='blockwise' (the rowwise baseline gathers BF16)")
         if self.module_filter is not None and not callable(self.module_filter):
             raise TypeError(f"module_filter must be callable (module, fqn) -> bool, got {self.module_filter!r}")
 
@@ -122,7 +133,13 @@ def _set_torchtitan_alignment() -> None:
 
 def _convert_layer(module: nn.Module, config: FP8FlowConfig, fqn: str) -> None:
     if config.recipe == "blockwise":
-        convert_moe_layer(module, recompute_experts=config.recompute_experts, fqn=fqn, weight_cache=config.weight_cache)
+        convert_moe_layer(
+            module,
+            recompute_experts=config.recompute_experts,
+            fqn=fqn,
+            weight_cache=config.weight_cache,
+            fsdp_fp8_all_gather=config.fsdp_fp8_all_gather,
+        )
         return
     check_moe_layer(module, fqn)
     _set_torchtitan_alignment()

@@ -355,7 +355,11 @@ def check_moe_layer(module: nn.Module, fqn: str = "") -> None:
 
 
 def convert_moe_layer(
-    module: nn.Module, recompute_experts: bool = False, fqn: str = "", weight_cache: str = "off"
+    module: nn.Module,
+    recompute_experts: bool = False,
+    fqn: str = "",
+    weight_cache: str = "off",
+    fsdp_fp8_all_gather: bool = False,
 ) -> nn.Module:
     """Install the FP8-Flow routed-expert path on a torchtitan-style MoE layer, in place.
 
@@ -363,7 +367,9 @@ def convert_moe_layer(
     ``forward`` quantizes once before dispatch and runs :func:`fp8flow_routed_experts` in its
     ``experts`` module; parameters stay plain ``nn.Parameter`` s, so ``state_dict`` is unchanged.
     Raises ``ValueError`` (see :func:`check_moe_layer`) for unsupported layers or a second conversion.
-    ``weight_cache`` is :func:`fp8flow_routed_experts`'s.
+    ``weight_cache`` is :func:`fp8flow_routed_experts`'s. ``fsdp_fp8_all_gather`` wraps the expert
+    weights so that FSDP2 all-gathers them as FP8 tiles (:mod:`fp8flow_ao.parallel.fsdp`; the
+    parameters become :class:`~fp8flow_ao.tensor.FP8FlowExpertWeight` s, ``state_dict`` stays plain).
     """
     check_moe_layer(module, fqn)
     check_weight_cache_mode(weight_cache)
@@ -374,5 +380,9 @@ def convert_moe_layer(
     _swap_class(module.experts, FP8FlowGroupedExperts)
     module.experts.fp8flow_recompute_experts = bool(recompute_experts)
     module.experts.fp8flow_weight_cache = weight_cache
+    if fsdp_fp8_all_gather:
+        from fp8flow_ao.tensor import wrap_expert_weights
+
+        wrap_expert_weights(module.experts, recipe="blockwise")
     _swap_class(module, FP8FlowMoE)
     return module

@@ -9,6 +9,8 @@
   Anything else raises ``NotImplementedError`` naming the op: the subclass never dequantizes
   silently (call :meth:`Float8BlockwiseActivation.dequantize` to do it on purpose).
   :func:`to_fp8_blockwise` makes one from a BF16 tensor (differentiable, straight-through).
+* :class:`Float8BlockwiseWeight`: an expert weight ``[E, N, K]`` as 128x128 FP8 tiles + scales, what
+  FSDP2's FP8 all-gather of the expert weights hands the FP8-Flow layer (:mod:`fp8flow_ao.parallel.fsdp`).
 * :class:`FP8FlowExpertWeight`: the expert-weight wrapper. ``torch._grouped_mm(A, w.transpose(-2, -1),
   offs=...)`` on it runs :func:`fp8flow_ao.grouped_mm.fp8_grouped_mm` (like torchao's training
   weight wrapper); for everything else (optimizer updates, ``.to``, ``detach``, FSDP2) it is the
@@ -261,6 +263,100 @@ def to_fp8_blockwise(x: torch.Tensor) -> Float8BlockwiseActivation:
 
 
 # ---------------------------------------------------------------------------------------------------
+# FP8 expert weight (what FSDP2's FP8 all-gather hands the layer)
+# ---------------------------------------------------------------------------------------------------
+
+
+def byte_transpose(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last two dims swapped, contiguous (FP8 moves as bytes): exact for every value."""
+    raw = t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+    out = raw.transpose(-1, -2).contiguous()
+    return out.view(t.dtype) if t.dtype.itemsize == 1 else out
+
+
+class Float8BlockwiseWeight(torch.Tensor):
+    """An unsharded expert weight as FP8 tiles: E4M3 ``data [E, N, K]`` + fp32 ``scale_inv [E, N/128, K/128]``.
+
+    What FSDP2's FP8 all-gather hands the layer. Looks like an ``[E, N, K]`` tensor of ``orig_dtype``
+    (the parameter dtype); ``w ~= data * scale_inv`` broadcast over each 128x128 tile (the dequantize
+    multiplier). Only the ops FSDP2 and autograd apply to an unsharded parameter (detach, alias,
+    identity views) are supported; anything else raises ``NotImplementedError`` instead of
+    dequantizing silently.
+    """
+
+    _data: torch.Tensor
+    _scale_inv: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, orig_dtype: torch.dtype, requires_grad: bool = False):
+        check_fp8("data", data, ndim=3)
+        check_tensor("scale_inv", scale_inv, dtypes=torch.float32, ndim=3)
+        e, n, k = data.shape
+        check_shape("scale_inv", scale_inv, (e, n // BLOCK, k // BLOCK))
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, dtype=orig_dtype, device=data.device, requires_grad=requires_grad
+        )
+
+    def __init__(
+        self, data: torch.Tensor, scale_inv: torch.Tensor, orig_dtype: torch.dtype, requires_grad: bool = False
+    ):
+        self._data, self._scale_inv = data, scale_inv
+
+    def __repr__(self) -> str:
+        return f"Float8BlockwiseWeight(shape={tuple(self.shape)}, orig_dtype={self.dtype}, device={self.device})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        return ["_data", "_scale_inv"], (self.dtype,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size, outer_stride) -> Float8BlockwiseWeight:
+        return Float8BlockwiseWeight(inner["_data"], inner["_scale_inv"], meta[0])
+
+    def data_and_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data [E, N, K] E4M3, scale_inv [E, N/128, K/128] fp32)``, the forward GEMM operand; no copy."""
+        return self._data, self._scale_inv
+
+    def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact transpose ``(data_t [E, K, N], scale_inv_t [E, K/128, N/128])``, contiguous (K-major).
+
+        A 128x128 tile transposed is the transposed tile's quantization, so this equals
+        ``quantize_128x128``'s ``data_t, scale_inv_t`` of the BF16 weight bit for bit.
+        """
+        return byte_transpose(self._data), byte_transpose(self._scale_inv)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        handler = _FP8_WEIGHT_OPS.get(func)
+        if handler is None:
+            raise NotImplementedError(
+                f"Float8BlockwiseWeight (an FP8 all-gathered expert weight) does not support {func}; the "
+                "FP8-Flow layer reads its tiles directly. Turn off FP8FlowConfig.fsdp_fp8_all_gather to "
+                "all-gather the weights in their own dtype."
+            )
+        return handler(args[0], *args[1:], **(kwargs or {}))
+
+
+def _same(w: Float8BlockwiseWeight, *args: Any, **kwargs: Any) -> Float8BlockwiseWeight:
+    return Float8BlockwiseWeight(w._data, w._scale_inv, w.dtype)
+
+
+def _identity_view(w: Float8BlockwiseWeight, size, stride=None, storage_offset=0) -> Float8BlockwiseWeight:
+    # FSDP2 re-views the unsharded tensor with its own (contiguous) size; anything else would reorder tiles.
+    contiguous = torch.empty(0).new_empty(w.shape).stride()
+    if tuple(size) != tuple(w.shape) or (stride is not None and tuple(stride) != contiguous) or storage_offset:
+        raise NotImplementedError(f"Float8BlockwiseWeight supports only identity views, got size {tuple(size)}")
+    return _same(w)
+
+
+_FP8_WEIGHT_OPS: dict[Any, Callable] = {
+    aten.detach.default: _same,
+    aten.alias.default: _same,
+    aten.as_strided.default: _identity_view,
+    aten.view.default: _identity_view,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
 # Expert-weight wrapper
 # ---------------------------------------------------------------------------------------------------
 
@@ -271,6 +367,8 @@ _WEIGHT_PRESERVING_OPS = {
     aten.as_strided.default,
     aten.clone.default,
     aten.empty_like.default,
+    aten.new_zeros.default,  # FSDP2 builds each shard as new_zeros(...).narrow(...).copy_(chunk)
+    aten.narrow.default,
     aten.slice.Tensor,
     aten.split.Tensor,
     aten.t.default,
@@ -348,14 +446,24 @@ class FP8FlowExpertWeight(torch.Tensor):
             return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, recipe), out)
         return out
 
-    # FSDP2 all-gathers the plain data and rebuilds the wrapper around the unsharded tensor.
+    # FSDP2's all-gather extension. "rowwise": the plain data travels and the wrapper is rebuilt around
+    # the unsharded tensor. "blockwise": the shard's 128x128 FP8 tiles + scales travel and the layer
+    # gets a Float8BlockwiseWeight (fp8flow_ao.parallel.fsdp).
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """FSDP2 hook: all-gather the plain tensor, cast to the mixed-precision param dtype."""
+        """FSDP2 hook: what this shard contributes to the all-gather (see the comment above)."""
         param_dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else self._data.dtype
+        if self.recipe == "blockwise":
+            from fp8flow_ao.parallel.fsdp import pre_all_gather
+
+            return pre_all_gather(self._data, tuple(outer_size), param_dtype), None
         return (self._data.to(param_dtype),), None
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """FSDP2 hook: wrap the unsharded tensor (step 0) or refresh the one FSDP keeps (``out``)."""
+        if self.recipe == "blockwise":
+            from fp8flow_ao.parallel.fsdp import post_all_gather
+
+            return post_all_gather(tuple(all_gather_outputs), param_dtype, out)
         (data,) = all_gather_outputs
         if out is None:
             return FP8FlowExpertWeight(data, self.recipe), (data,)

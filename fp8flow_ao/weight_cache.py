@@ -91,10 +91,32 @@ def quantize_expert_weights(
 
     ``w1``, ``w3`` ``[E, H, D]``, ``w2`` ``[E, D, H]``, bf16/fp32. ``with_w13``/``with_w2`` ask for the
     forward orientations, ``with_transpose`` for both transposes (written by the same passes).
+    Weights that arrive as FP8 tiles (FSDP2's FP8 all-gather: :class:`~fp8flow_ao.tensor.Float8BlockwiseWeight`)
+    are not quantized again: W13 joins their tiles and the transposes are byte transposes of them.
     """
+    from fp8flow_ao.tensor import Float8BlockwiseWeight
+
+    gathered = [isinstance(w, Float8BlockwiseWeight) for w in (w1, w2, w3)]
+    if any(gathered):
+        if not all(gathered):
+            raise TypeError("w1, w2, w3 must all be FP8 all-gathered (Float8BlockwiseWeight) or all high precision")
+        return _from_tiles(w1, w2, w3, with_w13, with_w2, with_transpose)
     w13 = quantize_128x128(w1.contiguous(), with_transpose, with_w13, w_tail=w3.contiguous())
     w2_q = quantize_128x128(w2.contiguous(), with_transpose, with_w2) if with_w2 or with_transpose else (None,) * 4
     return ExpertWeightsFP8(*w13, *w2_q)
+
+
+def _from_tiles(w1, w2, w3, with_w13: bool, with_w2: bool, with_transpose: bool) -> ExpertWeightsFP8:
+    """:func:`quantize_expert_weights` for weights already in FP8 tiles: joins and byte transposes only."""
+    from fp8flow_ao.tensor import byte_transpose
+
+    (d1, s1), (d3, s3) = w1.data_and_scale(), w3.data_and_scale()
+    w13 = (torch.cat([d1, d3], dim=1), torch.cat([s1, s3], dim=1))
+    w13_t = tuple(byte_transpose(t) for t in w13) if with_transpose else (None, None)
+    w2_t = w2.transposed() if with_transpose else (None, None)
+    return ExpertWeightsFP8(
+        *(w13 if with_w13 else (None, None)), *w13_t, *(w2.data_and_scale() if with_w2 else (None, None)), *w2_t
+    )
 
 
 def _owner(t: torch.Tensor) -> torch.Tensor:

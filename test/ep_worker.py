@@ -1,4 +1,4 @@
-"""One rank of the expert-parallel tests (``test_expert_parallel.py``): run the cases, save the results.
+"""One rank of the multi-process tests (``test_expert_parallel.py``): run the cases, save the results.
 
 Started by ``torch.multiprocessing.spawn`` (gloo on the CPU, NCCL on GPUs). Inputs come from the
 parent as a file (the full token batch and the full expert weights); rank ``r`` takes tokens
@@ -63,6 +63,35 @@ def run_layer_case(case: dict, rank: int, world: int, device: str) -> dict:
     return {"out": out[0], "x": x.grad[0]} | grads | styles
 
 
+def run_fsdp_case(case: dict, rank: int, world: int, device: str) -> dict:
+    """Data parallel under FSDP2 (this rank's tokens, all experts sharded): two steps with an SGD update between."""
+    from test_moe import make_moe
+    from torch.distributed.fsdp import fully_shard
+
+    moe = make_moe(**case["make"], device=device)
+    convert_moe_layer(moe, fsdp_fp8_all_gather=case["fsdp_fp8_all_gather"])
+    mesh = torch.distributed.device_mesh.init_device_mesh(device, (world,))
+    fully_shard(moe.experts, mesh=mesh)
+    fully_shard(moe, mesh=mesh)
+    optimizer = torch.optim.SGD(moe.parameters(), lr=0.5)
+    results: dict = {}
+    for step in range(2):
+        x = _local_slice(case["x"], rank, world).to(device)[None].requires_grad_()
+        with FP8FlowOpCounter() as counter, integer_histc():
+            out = moe(x)
+            out.backward(_local_slice(case["grad"], rank, world).to(device)[None])
+        grads = {f"{n}@{step}": p.grad.to_local().clone() for n, p in moe.named_parameters()}
+        results |= {
+            f"out@{step}": out[0],
+            f"x@{step}": x.grad[0],
+            f"quantize_128x128@{step}": counter.counts["quantize_128x128"],
+        }
+        results |= grads
+        optimizer.step()
+        optimizer.zero_grad()
+    return results
+
+
 def worker(rank: int, world: int, device: str, folder: str) -> None:
     """Entry point of one spawned rank."""
     path = Path(folder)
@@ -75,7 +104,13 @@ def worker(rank: int, world: int, device: str, folder: str) -> None:
         cases = torch.load(path / "cases.pt")
         results = {}
         for name, case in cases.items():
-            run = run_layer_case if "make" in case else run_routed_case
+            run = (
+                run_fsdp_case
+                if "fsdp_fp8_all_gather" in case
+                else run_layer_case
+                if "make" in case
+                else run_routed_case
+            )
             results[name] = {
                 k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in run(case, rank, world, device).items()
             }

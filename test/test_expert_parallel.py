@@ -67,6 +67,12 @@ CASES["layer"] = {
 }
 
 
+# FSDP2 (data parallel, experts sharded on dim 0): the same two steps with the expert weights
+# all-gathered in BF16 and as FP8 tiles; the layer under test is the skewed one (empty experts).
+for _fp8_gather in (False, True):
+    CASES[f"fsdp_fp8_gather={_fp8_gather}"] = CASES["layer"] | {"fsdp_fp8_all_gather": _fp8_gather}
+
+
 def _single_process_routed(case: dict, device: str) -> dict:
     x, probs = case["x"].to(device).requires_grad_(), case["probs"].to(device).requires_grad_()
     weights = [case[n].to(device).requires_grad_() for n in ("w1", "w2", "w3")]
@@ -101,8 +107,27 @@ def _split(t: torch.Tensor, rank: int) -> torch.Tensor:
 _BY_RANK = ("out", "x", "probs", "w1", "w2", "w3", "experts.w1", "experts.w2", "experts.w3")
 
 
+def _check_fsdp(ranks: list[dict]) -> None:
+    """FP8 all-gather of the expert weights changes no bit and quantizes only the shards, never the full weight."""
+    bf16, fp8 = (f"fsdp_fp8_gather={flag}" for flag in (False, True))
+    for results in ranks:
+        for key, value in results[bf16].items():
+            if key.startswith("quantize_128x128"):
+                continue
+            assert torch.equal(results[fp8][key], value), f"FSDP2 FP8 vs BF16 all-gather: {key} differs"
+        # BF16 gather: the layer quantizes the whole W13 and w2 in forward, their transposes in backward
+        # (4 calls); FP8 gather: each rank quantizes only its shards of w1, w2, w3, at the forward's
+        # all-gather and at backward's re-gather (6 calls on half the bytes), the layer none.
+        assert [results[bf16][f"quantize_128x128@{s}"] for s in (0, 1)] == [4, 4]
+        assert [results[fp8][f"quantize_128x128@{s}"] for s in (0, 1)] == [6, 6]
+    assert not torch.equal(ranks[0][fp8]["out@0"], ranks[0][fp8]["out@1"]), "the SGD step must change the weights"
+
+
 def _check_against_single_process(ranks: list[dict], device: str) -> None:
+    _check_fsdp(ranks)
     for name, case in CASES.items():
+        if "fsdp_fp8_all_gather" in case:
+            continue
         ref = (_single_process_layer if "make" in case else _single_process_routed)(case, device)
         for key, expected in ref.items():
             if key in _BY_RANK:
@@ -114,6 +139,11 @@ def _check_against_single_process(ranks: list[dict], device: str) -> None:
                 total = sum(results[name][key].float() for results in ranks)
                 atol = 2**-6 * expected.float().abs().max().item()
                 torch.testing.assert_close(total, expected.float(), rtol=0, atol=atol, msg=f"{name}: {key}")
+        if name == "layer":  # FSDP2's first step sees the same weights: the one-process layer's tokens
+            for rank, results in enumerate(ranks):
+                for key in ("out", "x"):
+                    got = results["fsdp_fp8_gather=True"][f"{key}@0"]
+                    assert torch.equal(got, _split(ref[key], rank)), f"FSDP2: {key} differs on rank {rank}"
         if "make" not in case:
             assert [results[name]["casts"] for results in ranks] == [2, 2], f"{name}: explicit casts per rank"
         else:  # torchtitan's ExpertParallel: FP8 dispatch (no hooks) on the converted layer only
@@ -236,3 +266,33 @@ def test_one_rank_group_is_the_single_process_path(one_rank_group, recompute):
     )
     for key, expected in ref.items():
         assert torch.equal(got[key].detach().cpu(), expected), key
+
+
+def test_fp8_all_gathered_weight_is_exact_and_refuses_other_ops():
+    from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
+    from fp8flow_ao.parallel.fsdp import check_shard_tiles
+    from fp8flow_ao.tensor import Float8BlockwiseWeight
+
+    w = torch.randn(3, 256, 384).to(torch.bfloat16)
+    data, scale, data_t, scale_t = quantize_128x128(w)
+    gathered = Float8BlockwiseWeight(data, scale, torch.bfloat16)
+    got_t, got_scale_t = gathered.transposed()
+    assert torch.equal(got_t.view(torch.uint8), data_t.view(torch.uint8)) and torch.equal(got_scale_t, scale_t)
+    assert gathered.shape == w.shape and gathered.dtype == torch.bfloat16
+    assert isinstance(gathered.detach(), Float8BlockwiseWeight)
+    with pytest.raises(NotImplementedError, match="fsdp_fp8_all_gather"):
+        gathered + 1
+    with pytest.raises(ValueError, match="whole 128x128 tiles"):
+        check_shard_tiles((3, 192, 384), (3, 384, 384))  # Shard(1) of N=384 over 2 ranks: 192 rows
+    check_shard_tiles((2, 256, 384), (3, 256, 384))  # Shard(0): whole experts
+
+
+def test_fsdp_fp8_all_gather_option_checks():
+    from fp8flow_ao.config import FP8FlowConfig
+
+    with pytest.raises(ValueError, match="needs recipe='blockwise'"):
+        FP8FlowConfig(recipe="rowwise", fsdp_fp8_all_gather=True)
+    with pytest.raises(TypeError, match="must be a bool"):
+        FP8FlowConfig(fsdp_fp8_all_gather=1)
+    moe = convert_moe_layer(make_moe(), fsdp_fp8_all_gather=True)
+    assert all(type(v) is torch.Tensor for v in moe.state_dict().values()), "checkpoints hold plain tensors"

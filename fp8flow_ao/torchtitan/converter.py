@@ -94,6 +94,7 @@ class FP8FlowConverter(ModelConverter):
             recipe=self.options.recipe,
             module_filter=fqn_filter(self.options.filter_fqns),
             weight_cache=self.options.weight_cache,
+            fsdp_fp8_all_gather=self.options.fsdp_fp8_all_gather,
         )
 
     def convert(self, model: nn.Module) -> None:

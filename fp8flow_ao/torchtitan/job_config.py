@@ -34,6 +34,10 @@ class FP8Flow:
     "forward" (one pass makes both, transposes held until backward) or "step" (cached until the weights
     change: with gradient accumulation micro-batches 2..n quantize none). See fp8flow_ao.config.FP8FlowConfig."""
 
+    fsdp_fp8_all_gather: bool = False
+    """Under FSDP2 all-gather the expert weights as 128x128 FP8 tiles + scales (half the bytes; each rank
+    quantizes its own shard once per step) instead of BF16. Bit-identical results. See FP8FlowConfig."""
+
 
 @dataclass
 class JobConfig:
