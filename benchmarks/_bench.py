@@ -193,3 +193,22 @@ def versus_baseline(
     ours_us = bench_us(ours, arg_sets)
     base_us = bench_us(baseline, arg_sets)
     return row(case, ours_us, baseline_name, base_us, bytes_moved=bytes_moved, bit_exact=exact, **extra)
+
+
+def import_deep_gemm() -> Any | None:
+    """DeepGEMM (``deep_gemm``) when importable, else ``None`` after printing why: rows that need it
+    are then skipped (``../shared/tools/deepgemm/README.md`` says how to build it on a GPU machine)."""
+    try:
+        import deep_gemm
+    except Exception as exc:  # ImportError, or a build whose CUDA libraries do not load
+        print(f"skipping the DeepGEMM rows: deep_gemm is not importable ({type(exc).__name__}: {exc})")
+        return None
+    return deep_gemm
+
+
+def require_cuda(name: str) -> bool:
+    """True on a CUDA machine; otherwise print that ``name`` times GPU kernels and has nothing to do."""
+    if torch.cuda.is_available():
+        return True
+    print(f"{name}: no CUDA device; this benchmark times GPU kernels, nothing to do")
+    return False

@@ -6,7 +6,13 @@
 * cuBLAS dense blockwise FP8 ``F.scaled_mm`` (1x128 x 128x128; 1x128 x 1x128 for wgrad) over all
   M rows with one expert's weight: the same FLOPs as one dense GEMM, the bar a grouped kernel aims at,
 * torchao's Triton dense blockwise GEMMs (``triton_fp8_gemm_1x128_128x128``; ``..._128x1`` for wgrad),
-  same dense problem.
+  same dense problem,
+* DeepGEMM (when ``deep_gemm`` is importable; skipped with a printed reason otherwise): its
+  M-grouped contiguous kernel (``m_grouped_fp8_gemm_nt_contiguous``) for forward and dgrad on our FP8
+  data and weight scales, the activation scales in the M-major layout it reads; its K-grouped
+  contiguous kernel (``k_grouped_fp8_gemm_nt_contiguous``) for wgrad on our column-wise FP8 data laid
+  out its way (each expert's ``[N, tokens]`` chunk flattened in turn). Layout changes are made once,
+  outside the timing. Its sm90 wgrad writes fp32 ``D = C + A B`` (zero ``C`` here); ours writes bf16.
 
 FLOPs = 2 * rows * N * K with rows = the padded rows of all groups (what every grouped method
 computes); TFLOP/s = FLOPs / time. Shapes from PERF.md: M = 16384 / 32768 routed rows, (K, N) =
@@ -23,6 +29,7 @@ kernel runs beside it as a baseline row.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from collections.abc import Callable
@@ -33,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench import balanced_counts, bench_us, row, skewed_counts, write_results  # noqa: E402
+from _bench import balanced_counts, bench_us, import_deep_gemm, require_cuda, row, skewed_counts, write_results  # noqa: E402
 
 from fp8flow_ao._format import BLOCK, quantize_rows_reference  # noqa: E402
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128_reference  # noqa: E402
@@ -72,7 +79,7 @@ def make_problem(m: int, k: int, n: int, e: int, routing: str) -> dict:
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    p = {"rows": rows, "offs": offs, "x": x, "dy": dy, "w": w, "e": e}
+    p = {"rows": rows, "counts": counts, "offs": offs, "x": x, "dy": dy, "w": w, "e": e}
     p["x8"], p["xs"] = quantize_rows_reference(x, BLOCK)
     p["dy8"], p["dys"] = quantize_rows_reference(dy, BLOCK)
     p["w8"], p["ws"], p["wt8"], p["wts"] = quantize_128x128_reference(w)  # dgrad takes the exact transpose
@@ -182,6 +189,45 @@ def torchao_dense_blockwise(p: dict, which: str) -> tuple[Callable, tuple]:
     return fn, (a, b[0].t(), _outer_major(sa), sb[0].t())
 
 
+def deepgemm_grouped(deep_gemm, p: dict, which: str) -> tuple[Callable, tuple]:
+    """DeepGEMM's grouped kernels on our FP8 data (see the module docstring), called as torchao 0.18
+    calls them (``torchao.prototype.blockwise_fp8_training.deepgemm_grouped_kernels``)."""
+    counts = p["counts"]
+    if which == "wgrad":
+        starts = [0, *itertools.accumulate(counts)]
+
+        def flat(t: torch.Tensor) -> torch.Tensor:  # [C, M] -> each expert's [C, tokens] chunk, flattened
+            return torch.cat([t[:, s : s + c].contiguous().view(-1) for s, c in zip(starts, counts, strict=False)])
+
+        e, n, k = p["w"].shape
+        out = torch.empty(e, n, k, device="cuda")
+        acc = torch.zeros_like(out)
+        ks = torch.tensor(counts, dtype=torch.int32, device="cuda")
+        lhs = (flat(p["dyt8"]), p["dyts"].t().contiguous())  # data, scales [N, M/128]
+        rhs = (flat(p["xt8"]), p["xts"].t().contiguous())  # data, scales [K, M/128]
+
+        def wgrad():
+            deep_gemm.k_grouped_fp8_gemm_nt_contiguous(lhs, rhs, out, counts, ks, acc, recipe=(1, 1, BLOCK))
+
+        return wgrad, ()
+    gemm = (
+        getattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", None) or deep_gemm.m_grouped_fp8_fp4_gemm_nt_contiguous
+    )
+    a, sa, b, sb = (
+        (p["x8"], p["xs"], p["w8"], p["ws"]) if which == "forward" else (p["dy8"], p["dys"], p["wt8"], p["wts"])
+    )
+    expert_of_row = torch.repeat_interleave(
+        torch.arange(len(counts), dtype=torch.int32, device="cuda"), torch.tensor(counts, device="cuda")
+    )
+    out = torch.empty(a.shape[0], b.shape[1], device="cuda", dtype=torch.bfloat16)
+    lhs, rhs = (a, _outer_major(sa)), (b, sb)
+
+    def grouped():
+        gemm(lhs, rhs, out, expert_of_row, recipe_a=(1, BLOCK), recipe_b=(BLOCK, BLOCK), disable_ue8m0_cast=True)
+
+    return grouped, ()
+
+
 BASELINES = {
     "fp8flow Triton tl.dot kernel": ours_triton,
     "bf16 torch._grouped_mm": bf16_grouped,
@@ -207,7 +253,7 @@ def time_it(make: Callable, p: dict, which: str) -> tuple[float | None, str]:
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
 
-def run_cases(cases, passes) -> list[dict]:
+def run_cases(cases, passes, baselines: dict[str, Callable]) -> list[dict]:
     rows_out = []
     for m, k, n, e, routing in cases:
         p = make_problem(m, k, n, e, routing)
@@ -219,7 +265,7 @@ def run_cases(cases, passes) -> list[dict]:
             if ours_us is None:
                 raise RuntimeError(f"{case}: {err}")
             print(f"{case}: ours {ours_us:.1f} us, {flops / ours_us / 1e6:.0f} TFLOP/s", flush=True)
-            for name, make in BASELINES.items():
+            for name, make in baselines.items():
                 base_us, err = time_it(make, p, which)
                 extra = {"baseline_tflops": None if base_us is None else round(flops / base_us / 1e6, 1)}
                 rows_out.append(
@@ -266,8 +312,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every launch config (no autotune)")
     parser.add_argument("--passes", default=",".join(PASSES), help="comma-separated subset of forward,dgrad,wgrad")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_grouped_gemm_fp8_blockwise: no CUDA device, nothing to time")
+    if not require_cuda("bench_grouped_gemm_fp8_blockwise"):
         return
     if args.sweep:
         write_results(
@@ -276,13 +321,20 @@ def main() -> None:
             "Each launch config pinned (no autotune).",
         )
         return
-    rows_out = run_cases(FULL_CASES if args.full else DEFAULT_CASES, args.passes.split(","))
+    baselines = dict(BASELINES)
+    deep_gemm = import_deep_gemm()
+    if deep_gemm is not None:
+        baselines["DeepGEMM grouped (M-grouped fwd/dgrad, K-grouped wgrad)"] = functools.partial(
+            deepgemm_grouped, deep_gemm
+        )
+    rows_out = run_cases(FULL_CASES if args.full else DEFAULT_CASES, args.passes.split(","), baselines)
     write_results(
         "grouped_gemm_fp8_blockwise",
         rows_out,
         "tflops = ours; baseline_tflops = the named baseline on the same FLOPs (dense baselines: all rows x "
         "one expert's weight). Row-wise baseline: same FP8 data, unit scales. Every output bf16 (wgrad too: "
-        "the weights' dtype, what the MoE layer asks for).",
+        "the weights' dtype, what the MoE layer asks for) except DeepGEMM's wgrad (fp32 D = C + AB, its sm90 "
+        "kernel's only form). DeepGEMM: our FP8 data, layouts changed outside the timing (module docstring).",
     )
 
 

@@ -6,14 +6,25 @@ semantics: ``A [M, K]`` holds the rows of all experts one group after the other,
 is the transposed view of the expert weights ``W [E, N, K]`` (torchtitan passes
 ``w.transpose(-2, -1)``) and ``offs [E]`` int32 are the group END offsets.
 
-Group alignment (decided here, see DESIGN.md): every group must START on a multiple of 128 rows,
-i.e. every END offset is a multiple of 128, and ``M`` is a multiple of 128. That is the FP8-Flow
-format (a 1x128 activation block never straddles two experts, and the wgrad's 128-row column
-blocks neither). torchtitan 0.2.2 pads each expert's group to ``TOKEN_GROUP_ALIGN_SIZE_M`` rows in
-``indices_padding_wrapper``; call ``torchtitan.models.moe.utils.set_token_group_alignment_size_m(128)``
-(``FP8FlowConfig(recipe="rowwise")`` conversion does it). Offsets live on the device, so their
-values are checked only where that costs no device sync: on CPU tensors, and on the GPU with
-``FP8FLOW_VALIDATE=1``; a misaligned offset then raises a ``ValueError``.
+Group sizes: any non-decreasing END offsets, as ``torch._grouped_mm`` takes them (empty groups,
+groups of one row, ``M`` not a multiple of 128). The FP8-Flow format needs every group to START on
+a multiple of 128 rows (a wgrad 128-row column block must not straddle two experts), so by default
+the op pads on the device, with no host sync and static shapes: :func:`route_pad` turns the
+offsets into row maps and 128-aligned padded offsets (the rows at or past the last end form one
+more group, so they stay out of every expert), :class:`_PadRows` gathers ``A`` into the padded
+layout (``[M_pad, K]``, ``M_pad = padded_rows_bound(M, E + 1)``, pad rows 0) and
+:func:`unpermute_unpad` gathers the output rows back; their backwards move ``dA`` and ``dOut`` the
+other way. Callers whose offsets are already multiples of 128 (the FP8-Flow layout, e.g. from
+``route_pad`` or torchtitan's ``set_token_group_alignment_size_m(128)``) pass ``offs_aligned=True``
+and skip those three gathers: the GEMMs then run on ``A`` as it is. Offsets live on the device, so
+their values are checked only where that costs no device sync: on CPU tensors, and on the GPU with
+``FP8FLOW_VALIDATE=1``; a bad offset (or, with ``offs_aligned=True``, a misaligned one) then raises
+a ``ValueError``.
+
+Weight gradient: written in the weight's dtype by the wgrad kernel's epilogue (no fp32 output and
+cast). Where the weight already holds a gradient, the blockwise recipe adds into it in that
+epilogue and returns no gradient for ``b_t`` (see :func:`_fused_grad_target` for when that is safe;
+elsewhere the gradient is returned and autograd accumulates it as usual).
 
 Recipes:
 
@@ -49,10 +60,12 @@ from fp8flow_ao._checks import (
 from fp8flow_ao._format import BLOCK, cast_to_fp8, nan_free_abs, pow2_scale_inv
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import grouped_gemm_fp8_blockwise
 from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
+from fp8flow_ao.kernels.permute_pad import permute_pad_rows, route_pad
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
 from fp8flow_ao.kernels.quantize_dual_1x128 import quantize_dual_1x128
 from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose
+from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 from fp8flow_ao.tensor import Float8BlockwiseActivation
 
 Recipe = Literal["blockwise", "rowwise"]
@@ -60,12 +73,12 @@ RECIPES: tuple[str, ...] = ("blockwise", "rowwise")
 _HP_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _check_offset_values(name: str, offs: torch.Tensor, rows: int) -> None:
+def _check_offset_values(name: str, offs: torch.Tensor, rows: int, aligned: bool) -> None:
     """Check offset values where it costs no device sync (CPU tensors, or ``FP8FLOW_VALIDATE=1``)."""
     if torch.compiler.is_compiling():
         return
     if offs.device.type == "cpu" or validation_enabled():
-        validate_group_end_offsets(name, offs, rows)
+        validate_group_end_offsets(name, offs, rows, align=BLOCK if aligned else 1)
 
 
 def _weight_from_b_t(b_t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +87,7 @@ def _weight_from_b_t(b_t: torch.Tensor) -> torch.Tensor:
     return w if w.is_contiguous() else w.contiguous()
 
 
-def _check_args(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor, recipe: str) -> None:
+def _check_args(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor, recipe: str, offs_aligned: bool) -> None:
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     if isinstance(a, Float8BlockwiseActivation):
@@ -90,14 +103,15 @@ def _check_args(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor, recipe: 
     experts, k_b, n = b_t.shape
     if k_b != k:
         raise ValueError(f"b_t must be [E, K={k}, N] to match a [M, K], got shape {tuple(b_t.shape)}")
-    check_multiple("a", m, what="rows M")
+    if offs_aligned:
+        check_multiple("a", m, what="rows M (offs_aligned=True)")
     check_multiple("a", k, what="columns K")
     check_multiple("b_t", n, what="dim N (-1)")
     check_group_end_offsets("offs", offs)
     if offs.shape[0] != experts:
         raise ValueError(f"offs must hold one group end per expert ({experts}), got shape {tuple(offs.shape)}")
     check_same_device(a=a, b_t=b_t, offs=offs)
-    _check_offset_values("offs", offs, m)
+    _check_offset_values("offs", offs, m, offs_aligned)
 
 
 def _quantize_rows_of_3d(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +177,83 @@ def _scaled_grouped_mm(
     return _scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs).to(out_dtype)
 
 
+def _grad_accumulator(b_t: torch.Tensor) -> torch.autograd.graph.Node | None:
+    """Where ``b_t``'s gradient ends up, when it may be accumulated in the wgrad epilogue: the
+    ``AccumulateGrad`` node of the plain leaf ``W`` with ``b_t = W.transpose(-2, -1)`` (torchtitan's
+    call), whose ``[E, N, K]`` gradient is the wgrad output's layout. ``None`` under
+    ``torch.compile`` (the traced backward must not depend on whether ``.grad`` existed when it was
+    traced), without grad mode, and for anything else: a leaf ``b_t`` (autograd keeps its gradient
+    in ``b_t``'s ``[E, K, N]`` layout, which the epilogue's rows do not match), another view, a
+    subclass such as FSDP2's DTensor parameters, a non-leaf weight."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not b_t.requires_grad:
+        return None
+    w = b_t._base
+    if w is None or not (w.is_leaf and w.requires_grad) or type(w) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    w_t = w.transpose(-2, -1) if w.dim() == 3 else w
+    if (b_t.shape, b_t.stride(), b_t.storage_offset()) != (w_t.shape, w_t.stride(), w_t.storage_offset()):
+        return None
+    return torch.autograd.graph.get_gradient_edge(w).node
+
+
+def _fused_grad_target(accumulator: torch.autograd.graph.Node | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight's existing gradient (``[E, N, K]`` contiguous) to add ``dW`` into in the wgrad
+    epilogue (backward then returns ``None`` for ``b_t``), or ``None`` for the plain path.
+
+    Fused only when it is exactly what autograd would do: this backward is a ``.backward()`` that
+    will run the weight's ``AccumulateGrad`` (not ``torch.autograd.grad``, which hands the gradient
+    to its caller, nor ``.backward(inputs=...)`` without the weight), without ``create_graph``
+    (grad mode off: ``AccumulateGrad`` adds in place then too), and the weight has a plain
+    contiguous gradient of its dtype already and no tensor hooks (a hook would see ``None`` instead
+    of this contribution). ``AccumulateGrad`` still runs for the ``None``, so post-accumulate hooks
+    (and DDP's hooks on the node) fire after this addition and see the sum, as they would otherwise.
+    Not detectable, hence unsupported: pre-hooks registered on the ``AccumulateGrad`` node itself.
+    """
+    if accumulator is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    try:
+        if not torch._C._will_engine_execute_node(accumulator):
+            return None
+    except RuntimeError:  # raised for leaves under torch.autograd.grad(): the caller takes the gradient
+        return None
+    w = accumulator.variable
+    grad = w.grad
+    if grad is None or type(grad) is not torch.Tensor or grad.requires_grad or w._backward_hooks:
+        return None
+    return grad if grad.dtype == dtype and grad.is_contiguous() else None
+
+
+class _PadRows(torch.autograd.Function):
+    """``A [M, K]`` -> ``[M_pad, K]`` in the 128-aligned padded group layout (row ``r`` = ``A[src_rows[r]]``,
+    pad rows 0); for a :class:`Float8BlockwiseActivation` its FP8 data and scales move together.
+    Backward gathers the gradient's rows back (``dA[i] = grad[dst_rows[i]]``)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(dst_rows)
+        if isinstance(a, Float8BlockwiseActivation):
+            return a.permute_pad_rows(src_rows, 1)
+        return permute_pad_rows(a, None, src_rows, 1)[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (dst_rows,) = ctx.saved_tensors
+        return unpermute_unpad(grad.contiguous(), dst_rows, 1), None, None
+
+
+def _padded_groups(offs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row maps into the padded layout and its group ends (on the device, no sync).
+
+    Row ``i`` belongs to group ``searchsorted(offs, i, right=True)``: rows at or past the last end
+    form group ``E``, padded like the others, so they stay out of every expert's GEMM (as in the
+    aligned layout). Returns ``(src_rows [M_pad], dst_rows [M], padded ends [E])``, int32.
+    """
+    experts = offs.shape[0]
+    group = torch.searchsorted(offs, torch.arange(rows, dtype=offs.dtype, device=offs.device), right=True)
+    src_rows, dst_rows, ends = route_pad(group.view(rows, 1), experts + 1)
+    return src_rows, dst_rows, ends[:experts]
+
+
 class _Float8GroupedMM(torch.autograd.Function):
     """Differentiable FP8 grouped GEMM ``out[rows of e] = A[rows of e] @ B_t[e]`` (see module docstring)."""
 
@@ -174,8 +265,9 @@ class _Float8GroupedMM(torch.autograd.Function):
         offs: torch.Tensor,
         recipe: str,
         out_dtype: torch.dtype,
+        accumulator: torch.autograd.graph.Node | None,
     ) -> torch.Tensor:
-        ctx.recipe = recipe
+        ctx.recipe, ctx.accumulator = recipe, accumulator
         ctx.a_dtype, ctx.b_dtype = a.dtype, b_t.dtype
         w = _weight_from_b_t(b_t)  # [E, N, K] row-major
         if recipe == "rowwise":
@@ -197,11 +289,12 @@ class _Float8GroupedMM(torch.autograd.Function):
             grad_a, grad_w = _rowwise_backward(ctx, grad_out)
         else:
             grad_a, grad_w = _blockwise_backward(ctx, grad_out)
-        # grad_w is [E, N, K]; B_t is its transposed view.
-        return grad_a.to(ctx.a_dtype), grad_w.to(ctx.b_dtype).transpose(-2, -1), None, None, None
+        # grad_w is [E, N, K] (None: already added to the weight's gradient); B_t is its transposed view.
+        grad_b_t = None if grad_w is None else grad_w.to(ctx.b_dtype).transpose(-2, -1)
+        return grad_a.to(ctx.a_dtype), grad_b_t, None, None, None, None
 
 
-def _blockwise_backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _blockwise_backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     a_data, a_scale, w_t_data, w_t_scale, offs = ctx.saved_tensors
     # dOut [M, N]: row-wise 1x128 (dgrad LHS) and column-wise [N, M] (wgrad LHS) from one read.
     g_data, g_scale, g_t_data, g_t_scale = quantize_dual_1x128(grad_out, offs)
@@ -209,8 +302,11 @@ def _blockwise_backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torc
     grad_a = grouped_gemm_fp8_blockwise(g_data, g_scale, w_t_data, w_t_scale, offs, out_dtype=torch.bfloat16)
     # dW_e [N, K] = dOut_e^T A_e: A re-encoded column-wise [K, M] by exponent shift, no re-quantization.
     a_t_data, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
-    grad_w = grouped_gemm_fp8_wgrad(g_t_data, g_t_scale, a_t_data, a_t_scale, offs, out_dtype=torch.float32)
-    return grad_a, grad_w
+    # Written in the weight's dtype by the epilogue, or added there into the gradient it already holds.
+    target = _fused_grad_target(ctx.accumulator, ctx.b_dtype)
+    args = (g_t_data, g_t_scale, a_t_data, a_t_scale, offs)
+    grad_w = grouped_gemm_fp8_wgrad(*args, out_dtype=ctx.b_dtype, accumulate_into=target)
+    return grad_a, (grad_w if target is None else None)
 
 
 def _rowwise_forward(ctx, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype):
@@ -244,24 +340,39 @@ def fp8_grouped_mm(
     offs: torch.Tensor,
     recipe: Recipe = "blockwise",
     out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    offs_aligned: bool = False,
 ) -> torch.Tensor:
     """Differentiable FP8 ``torch._grouped_mm(a, b_t, offs=offs)`` (2-D x 3-D, group END offsets).
 
     Args:
         a: ``[M, K]`` bf16/fp32, row-major, or a :class:`~fp8flow_ao.tensor.Float8BlockwiseActivation`
-            (already quantized 1x128; ``recipe="blockwise"`` only). ``M`` and ``K`` multiples of 128.
+            (already quantized 1x128; ``recipe="blockwise"`` only). ``K`` a multiple of 128.
         b_t: ``[E, K, N]`` bf16/fp32: the expert weights ``W [E, N, K]`` seen transposed (torchtitan's
             ``w.transpose(-2, -1)``; any other layout is copied to that one). ``N`` a multiple of 128.
-        offs: int32 ``[E]`` group END offsets on ``a``'s device, each a multiple of 128 (groups start
-            on 128-row boundaries; empty groups allowed). Rows at or past ``offs[-1]`` are not
-            computed (``recipe="blockwise"``: zeros; ``"rowwise"``: what ``torch._scaled_grouped_mm``
-            leaves there).
+        offs: int32 ``[E]`` group END offsets on ``a``'s device: non-decreasing, last ``<= M``
+            (empty groups allowed). Rows at or past ``offs[-1]`` are not computed
+            (``recipe="blockwise"``: zeros; ``"rowwise"``: what ``torch._scaled_grouped_mm`` leaves
+            there, zeros when the op pads).
         recipe: ``"blockwise"`` (FP8-Flow: 1x128 activations, 128x128 weights) or ``"rowwise"``
             (per-row scales, ``torch._scaled_grouped_mm``; for comparison with torchao).
         out_dtype: output dtype (bf16).
+        offs_aligned: the caller's promise that every offset and ``M`` are multiples of 128 (the
+            FP8-Flow layout): the GEMMs run on ``a`` as it is. ``False`` (default): any offsets;
+            the op pads the groups to 128 rows on the device (three row gathers more, no sync).
 
     Returns:
-        ``[M, N]`` ``out_dtype``. Gradients flow to ``a`` (its dtype) and ``b_t`` (its dtype).
+        ``[M, N]`` ``out_dtype``. Gradients flow to ``a`` (its dtype) and ``b_t`` (its dtype,
+        written so by the wgrad epilogue). Blockwise: where ``b_t``'s leaf weight already holds a
+        gradient and ``.backward()`` will accumulate into it, the epilogue adds into that gradient
+        in place instead (see :func:`_fused_grad_target` for the exact rule).
     """
-    _check_args(a, b_t, offs, recipe)
-    return _Float8GroupedMM.apply(a, b_t, offs, recipe, out_dtype)
+    _check_args(a, b_t, offs, recipe, offs_aligned)
+    accumulator = _grad_accumulator(b_t) if recipe == "blockwise" else None
+    if offs_aligned:
+        return _Float8GroupedMM.apply(a, b_t, offs, recipe, out_dtype, accumulator)
+    src_rows, dst_rows, padded_offs = _padded_groups(offs, a.shape[0])
+    out = _Float8GroupedMM.apply(
+        _PadRows.apply(a, src_rows, dst_rows), b_t, padded_offs, recipe, out_dtype, accumulator
+    )
+    return unpermute_unpad(out, dst_rows, 1)

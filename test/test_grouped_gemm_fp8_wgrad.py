@@ -96,6 +96,35 @@ def test_wgrad_matches_reference(case, out_dtype, launch):
     check(out, *args, out_dtype, counts)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_into_adds_a_fresh_wgrad_in_fp32(out_dtype, launch):
+    """The epilogue's accumulation: the existing gradient plus the same kernel's fresh fp32 wgrad,
+    summed in fp32 and rounded once, bit for bit (same tiles, same reduction order); empty experts
+    keep the existing values exactly. Updated in place, and returned."""
+    counts = [300, 0, 129, 60]
+    args = make_operands(counts, 256, 256, extra_rows=16)
+    fresh = launch(*args, torch.float32)
+    existing = torch.randn(len(counts), 256, 256, device=DEVICE).to(out_dtype)
+    into = existing.clone()
+    out = launch(*args, out_dtype, accumulate_into=into)
+    assert out is into
+    assert torch.equal(into, (existing.float() + fresh).to(out_dtype))
+    assert torch.equal(into[1], existing[1])
+    ref = grouped_gemm_fp8_wgrad_reference(*(t.cpu() for t in args), out_dtype, existing.cpu())
+    assert rel_error(into, ref) < TOLERANCE[out_dtype]
+
+
+def test_accumulate_zero_rows_leaves_the_gradient():
+    a_t = torch.empty(128, 0, dtype=FP8_DTYPE, device=DEVICE)
+    b_t = torch.empty(256, 0, dtype=FP8_DTYPE, device=DEVICE)
+    scales = torch.empty(0, 128, device=DEVICE), torch.empty(0, 256, device=DEVICE)
+    existing = torch.randn(2, 128, 256, device=DEVICE)
+    into = existing.clone()
+    offsets = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    assert grouped_gemm_fp8_wgrad(a_t, scales[0], b_t, scales[1], offsets, accumulate_into=into) is into
+    assert torch.equal(into, existing)
+
+
 def test_reference_is_dy_transpose_x():
     """The oracle itself against an independent formulation: per expert, dY_e^T @ X_e in fp32."""
     counts = [128, 0, 256]
@@ -136,10 +165,14 @@ def test_every_config(launcher, config, out_dtype):
     check(out, *args, out_dtype, counts)
 
 
-def test_sm90_kernel_builds_for_hopper():
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_sm90_kernel_builds_for_hopper(accumulate):
     """On any machine: the Gluon kernel compiles to sm_90a cubins with this Triton, every config, both
-    output dtypes (API drift between Triton releases shows up here, not first on a GPU)."""
-    built = build_every_sm90_config("grouped_gemm_fp8_wgrad", "SM90_WGRAD_CONFIGS", "build_sm90_wgrad_kernel")
+    output dtypes, writing or accumulating (API drift between Triton releases shows up here, not
+    first on a GPU)."""
+    built = build_every_sm90_config(
+        "grouped_gemm_fp8_wgrad", "SM90_WGRAD_CONFIGS", "build_sm90_wgrad_kernel", f"accumulate={accumulate}"
+    )
     fitting = [c for c in mod.SM90_WGRAD_CONFIGS for d in OUT_DTYPES if mod.sm90_smem_bytes(c, d) <= SM90_SMEM_BYTES]
     assert len(built) == len(fitting) >= len(mod.SM90_WGRAD_CONFIGS)
     for config, out_dtype, shared, cubin_bytes in built:
@@ -204,6 +237,24 @@ def test_op_dispatch_and_compile(out_dtype):
     check(eager, *args, out_dtype, counts)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_op_dispatch_and_compile(out_dtype):
+    """The mutating op through the public function, eager and compiled (functionalized: the graph
+    writes the sum back into the input), both equal to the reference's sum."""
+    args = make_operands([128, 0, 256], 128, 256)
+    existing = torch.randn(3, 128, 256, device=DEVICE).to(out_dtype)
+    eager, compiled = existing.clone(), existing.clone()
+    grouped_gemm_fp8_wgrad(*args, accumulate_into=eager)
+
+    def accumulate(*a):
+        grouped_gemm_fp8_wgrad(*a, accumulate_into=compiled)
+
+    torch.compile(accumulate, fullgraph=True)(*args)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    ref = grouped_gemm_fp8_wgrad_reference(*(t.cpu() for t in args), out_dtype, existing.cpu())
+    assert rel_error(eager, ref) < TOLERANCE[out_dtype]
+
+
 def test_opcheck():
     args = make_operands([128, 128], 128, 128)
     before = [t.clone() for t in args]
@@ -216,6 +267,21 @@ def test_opcheck():
     )
     for t, t0 in zip(args, before, strict=True):
         assert torch.equal(t.view(torch.uint8), t0.view(torch.uint8)), "inputs must not be mutated"
+
+
+def test_accumulate_opcheck():
+    """Fake tensor and AOT dispatch of the mutating op; the schema check by hand: only
+    ``accumulate_into`` changes."""
+    op = torch.ops.fp8flow.grouped_gemm_fp8_wgrad_accumulate.default
+    args = make_operands([128, 128], 128, 128)
+    into = torch.randn(2, 128, 128, device=DEVICE)
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(op, (*args, into), test_utils=utils)
+    before, into_before = [t.clone() for t in args], into.clone()
+    assert op(*args, into) is None
+    for t, t0 in zip(args, before, strict=True):
+        assert torch.equal(t.view(torch.uint8), t0.view(torch.uint8)), "only accumulate_into may change"
+    assert not torch.equal(into, into_before)
 
 
 def _good():
@@ -257,6 +323,20 @@ def test_bad_input(override, error, match):
 def test_bad_out_dtype():
     with pytest.raises(TypeError, match="out_dtype"):
         grouped_gemm_fp8_wgrad(**_good(), out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize(
+    ("into", "out_dtype", "error", "match"),
+    [
+        (torch.zeros(2, 128, 256, dtype=torch.float16), None, TypeError, "out_dtype"),
+        (torch.zeros(2, 128, 256), torch.bfloat16, TypeError, "accumulate_into must have dtype"),
+        (torch.zeros(3, 128, 256), None, ValueError, "accumulate_into must have shape"),
+        (torch.zeros(2, 256, 128).transpose(1, 2), None, ValueError, "accumulate_into must be contiguous"),
+    ],
+)
+def test_bad_accumulate_into(into, out_dtype, error, match):
+    with pytest.raises(error, match=match):
+        grouped_gemm_fp8_wgrad(**_good(), out_dtype=out_dtype, accumulate_into=into)
 
 
 def test_opt_in_validation_of_offsets(monkeypatch):

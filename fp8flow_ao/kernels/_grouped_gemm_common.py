@@ -127,9 +127,12 @@ def launch(
     tuned.fn[grid_of(meta)](*args, **kwargs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-def autotuned(configs: Sequence[triton.Config]) -> Callable[[triton.JITFunction], triton.runtime.Autotuner]:
-    """``triton.autotune`` keyed on :data:`AUTOTUNE_KEY` (never on ``M``)."""
-    return triton.autotune(configs=list(configs), key=AUTOTUNE_KEY)
+def autotuned(
+    configs: Sequence[triton.Config], restore_value: Sequence[str] = ()
+) -> Callable[[triton.JITFunction], triton.runtime.Autotuner]:
+    """``triton.autotune`` keyed on :data:`AUTOTUNE_KEY` (never on ``M``); ``restore_value`` names
+    the pointer arguments a kernel may read and write, saved and restored around the trial runs."""
+    return triton.autotune(configs=list(configs), key=AUTOTUNE_KEY, restore_value=list(restore_value))
 
 
 @triton.jit

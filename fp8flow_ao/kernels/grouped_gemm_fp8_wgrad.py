@@ -11,6 +11,13 @@ Two kernels share one contract; both walk (expert, N tile, K tile) output tiles 
 grid, each tile reading its expert's rows from the group end offsets on the device (no host sync).
 An empty expert runs no block and stores zeros.
 
+The output is written in its final dtype by the epilogue (fp32 or bf16: the weight's dtype, so no
+cast kernel follows), or -- with ``accumulate_into`` -- added to an existing gradient there: the
+epilogue loads the stored tile, adds the fp32 accumulator and stores the sum in the tensor's dtype
+(gradient accumulation without a separate wgrad output and add kernel, as TE/Megatron's fused
+wgrad accumulation does). That form is its own op, ``fp8flow::grouped_gemm_fp8_wgrad_accumulate``,
+declared as mutating ``accumulate_into``.
+
 * ``sm90`` (Gluon, Hopper only, the CUDA default there): warp-specialized like the forward's sm90
   kernel (``_sm90_common``), 128x256 (or 128x128) tiles: a producer warp loads the operand tiles
   AND each block's two scale rows by TMA into the ring, so the consumers read scales from shared
@@ -64,7 +71,7 @@ from fp8flow_ao.kernels._sm90_common import (
     sm90_or,
     sm90_ring_barriers,
     sm90_second_mma,
-    sm90_store_halves,
+    sm90_store,
     tma_load,
 )
 
@@ -98,6 +105,7 @@ def _grouped_gemm_fp8_wgrad_kernel(
     E,
     stride_a,
     stride_b,
+    ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -108,7 +116,7 @@ def _grouped_gemm_fp8_wgrad_kernel(
     a = dY^T ``[N, M]`` (row stride ``stride_a``), a_scale ``[M/128, N]`` contiguous,
     b = X^T ``[K, M]`` (row stride ``stride_b``), b_scale ``[M/128, K]`` contiguous,
     out ``[E, N, K]`` contiguous, ends ``[E]`` int32 group end offsets. Output tile = BLOCK_M rows
-    of N x BLOCK_N columns of K.
+    of N x BLOCK_N columns of K. ``ACCUMULATE``: out holds a gradient; store out + the tile's sum.
     """
     row_blocks = tl.cdiv(M, BLOCK_K)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, M], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -138,25 +146,36 @@ def _grouped_gemm_fp8_wgrad_kernel(
             sa = tl.load(a_scale_ptr + mb * N + cols_n, mask=cols_n < N, other=0.0)
             sb = tl.load(b_scale_ptr + mb * K + cols_k, mask=cols_k < K, other=0.0)
             acc = tl.dot(a, b.T) * (sa[:, None] * sb[None, :]) + acc
+        if ACCUMULATE:
+            acc += out_desc.load([e * N + n0, k0]).to(tl.float32)
         out_desc.store([e * N + n0, k0], acc.to(out_ptr.dtype.element_ty))
 
 
-_grouped_gemm_fp8_wgrad_tuned = autotuned(WGRAD_CONFIGS)(_grouped_gemm_fp8_wgrad_kernel)
+# restore_value: autotuning runs the kernel once per config; with ACCUMULATE each run would add into
+# the gradient again, so the autotuner saves and restores the output around its trial runs.
+_grouped_gemm_fp8_wgrad_tuned = autotuned(WGRAD_CONFIGS, restore_value=["out_ptr"])(_grouped_gemm_fp8_wgrad_kernel)
 
 
 def _output_and_dims(
-    a_t: torch.Tensor, b_t: torch.Tensor, group_end_offsets: torch.Tensor, out_dtype: torch.dtype
+    a_t: torch.Tensor,
+    b_t: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    accumulate_into: torch.Tensor | None,
 ) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
-    """Both launchers' start: the output (zeros when there are no tokens, else uninitialized),
-    ``(M, N, K, E)``, and the operands' TMA checks when M > 0."""
+    """Both launchers' start: the output (``accumulate_into`` when given; else zeros when there are
+    no tokens, uninitialized otherwise), ``(M, N, K, E)``, and the operands' TMA checks when M > 0."""
     n, m = a_t.shape
     k = b_t.shape[0]
     e = group_end_offsets.shape[0]
-    if m == 0:
-        return torch.zeros((e, n, k), dtype=out_dtype, device=a_t.device), (m, n, k, e)
-    check_tma_operand("a_t", a_t)
-    check_tma_operand("b_t", b_t)
-    return torch.empty((e, n, k), dtype=out_dtype, device=a_t.device), (m, n, k, e)
+    if accumulate_into is not None:
+        out = accumulate_into
+    else:
+        out = (torch.zeros if m == 0 else torch.empty)((e, n, k), dtype=out_dtype, device=a_t.device)
+    if m > 0:
+        check_tma_operand("a_t", a_t)
+        check_tma_operand("b_t", b_t)
+    return out, (m, n, k, e)
 
 
 def launch_grouped_gemm_fp8_wgrad_triton(
@@ -167,13 +186,15 @@ def launch_grouped_gemm_fp8_wgrad_triton(
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype = torch.float32,
     config: triton.Config | None = None,
+    accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`grouped_gemm_fp8_wgrad`.
+    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`grouped_gemm_fp8_wgrad`
+    (``out_dtype`` must be ``accumulate_into``'s dtype when that is given; it is returned, updated).
 
     ``config`` pins one launch config (tests, config sweeps); by default the GPU autotunes over
     :data:`WGRAD_CONFIGS` and the interpreter runs :data:`INTERPRET_CONFIG`.
     """
-    out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype)
+    out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype, accumulate_into)
     if m == 0:
         return out
     set_tma_workspace_allocator(a_t.device)
@@ -196,6 +217,7 @@ def launch_grouped_gemm_fp8_wgrad_triton(
         a_t.stride(0),
         b_t.stride(0),
         config=INTERPRET_CONFIG if config is None and interpreting() else config,
+        ACCUMULATE=accumulate_into is not None,
     )
     return out
 
@@ -277,12 +299,26 @@ def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem):
 
 
 @gluon.jit
-def _wgrad_consumer(WG: gl.constexpr, GROUP_M: gl.constexpr, ORDERED: gl.constexpr, ring, out, problem):
+def _plus_stored(tile, out_ptr, row, col, K, layout: gl.constexpr, ACCUMULATE: gl.constexpr):
+    """``tile`` (64x128 fp32), plus the output's stored values there when ``ACCUMULATE``: plain loads
+    in the accumulator's own layout, so the sum needs no shared-memory round trip. Loaded one half
+    at a time, right before its store (a 128x256 tile's accumulators already hold 128 registers)."""
+    if ACCUMULATE:
+        rows = row + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, layout))
+        cols = col + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(0, layout))
+        tile = tile + gl.load(out_ptr + rows.to(gl.int64)[:, None] * K + cols[None, :]).to(gl.float32)
+    return tile
+
+
+@gluon.jit
+def _wgrad_consumer(
+    WG: gl.constexpr, GROUP_M: gl.constexpr, ORDERED: gl.constexpr, ACCUMULATE: gl.constexpr, ring, out, problem
+):
     """One warpgroup: output rows ``[64 WG, 64 WG + 64)`` of every tile; the promotion scale is the
     outer product of the block's row scales (N) and column scales (K), read from the ring just
     before each use (a 128x256 tile's column scales are never all held in registers)."""
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn = ring
-    out_desc, out_bufs = out
+    out_desc, out_bufs, out_ptr = out
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -316,7 +352,11 @@ def _wgrad_consumer(WG: gl.constexpr, GROUP_M: gl.constexpr, ORDERED: gl.constex
                 acc1 = part * sa[:, None] * sb[None, :] + acc1
             it += 1
         row = e * N + pid_n * SM90_BLOCK + WG * WG_ROWS
-        sm90_store_halves(out_desc, out_s, acc0, acc1, row, pid_k * BLOCK_N, HALVES)
+        col = pid_k * BLOCK_N
+        sm90_store(out_desc, out_s, _plus_stored(acc0, out_ptr, row, col, K, mma, ACCUMULATE), row, col)
+        if HALVES == 2:
+            col = col + SM90_BLOCK
+            sm90_store(out_desc, out_s, _plus_stored(acc1, out_ptr, row, col, K, mma, ACCUMULATE), row, col)
     tma.store_wait(0)
 
 
@@ -327,6 +367,7 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     sa_desc,
     sb_desc,
     out_desc,
+    out_ptr,
     ends_ptr,
     M,
     N,
@@ -335,12 +376,14 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     ORDERED: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
 ):
     """Warp-specialized persistent blockwise FP8 grouped weight-gradient GEMM (Hopper).
 
     a_desc: dY^T ``[N, M]`` E4M3, 128x128 boxes; b_desc: X^T ``[K, M]`` E4M3, BLOCK_Nx128 boxes;
     sa_desc / sb_desc: their scales ``[M/128, N]`` / ``[M/128, K]`` fp32 flattened, 128 / BLOCK_N boxes; out_desc:
-    ``[E * N, K]`` (the ``[E, N, K]`` output flattened), 64x128 boxes; ends ``[E]`` int32.
+    ``[E * N, K]`` (the ``[E, N, K]`` output flattened), 64x128 boxes; out_ptr: the same output
+    (read by the epilogue when ``ACCUMULATE``: store out + the tile's sum); ends ``[E]`` int32.
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -350,11 +393,11 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     ready, empty, turn = sm90_ring_barriers(STAGES)
     ring = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn)
     problem = (ends_ptr, M, N, K, E)
-    out = (out_desc, out_bufs)
+    out = (out_desc, out_bufs, out_ptr)
     gl.warp_specialize(
         [
-            (_wgrad_consumer, (0, GROUP_M, ORDERED, ring, out, problem)),
-            (_wgrad_consumer, (1, GROUP_M, ORDERED, ring, out, problem)),
+            (_wgrad_consumer, (0, GROUP_M, ORDERED, ACCUMULATE, ring, out, problem)),
+            (_wgrad_consumer, (1, GROUP_M, ORDERED, ACCUMULATE, ring, out, problem)),
             (_wgrad_producer, (GROUP_M, (a_desc, b_desc, sa_desc, sb_desc), ring, problem)),
         ],
         [4, 1],
@@ -370,15 +413,16 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype = torch.float32,
     config: Sm90Config | None = None,
+    accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gluon launcher (Hopper GPUs only). Same contract as :func:`grouped_gemm_fp8_wgrad`.
+    """Gluon launcher (Hopper GPUs only). Same contract as :func:`launch_grouped_gemm_fp8_wgrad_triton`.
 
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_wgrad_default_config`.
     """
     k = b_t.shape[0]
     config = config or sm90_wgrad_default_config(k)
     check_sm90_launch(a_t.device, config, k, out_dtype, sm90_smem_bytes(config, out_dtype))
-    out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype)
+    out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype, accumulate_into)
     if m == 0:
         return out
     check_tma_operand("a_t_scale", a_t_scale)  # the scales arrive by TMA too
@@ -391,6 +435,7 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
         descriptor(a_t_scale.view(-1), (BLOCK,)),
         descriptor(b_t_scale.view(-1), (config.block_n,)),
         descriptor(out.view(e * n, k), (64, BLOCK)),
+        out,
         group_end_offsets,
         m,
         n,
@@ -399,14 +444,16 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
         GROUP_M=config.group_m,
         STAGES=config.stages,
         ORDERED=config.ordered,
+        ACCUMULATE=accumulate_into is not None,
         num_warps=4,
     )
     return out
 
 
-def build_sm90_wgrad_kernel(config: Sm90Config, out_dtype: torch.dtype) -> Any:
+def build_sm90_wgrad_kernel(config: Sm90Config, out_dtype: torch.dtype, accumulate: bool = False) -> Any:
     """Compile the sm90 wgrad kernel for sm_90a without a GPU (see ``compile_for_sm90``), with the
-    specialization a launch with ``config`` and ``out_dtype`` would have."""
+    specialization a launch with ``config``, ``out_dtype`` and ``accumulate_into`` given or not
+    (``accumulate``) would have."""
     fp8 = torch.float8_e4m3fn
     signature = {
         "a_desc": descriptor_signature((BLOCK, BLOCK), fp8),
@@ -414,11 +461,17 @@ def build_sm90_wgrad_kernel(config: Sm90Config, out_dtype: torch.dtype) -> Any:
         "sa_desc": descriptor_signature((BLOCK,), torch.float32),
         "sb_desc": descriptor_signature((config.block_n,), torch.float32),
         "out_desc": descriptor_signature((64, BLOCK), out_dtype),
+        "out_ptr": {torch.float32: "*fp32", torch.bfloat16: "*bf16"}[out_dtype],
         "ends_ptr": "*i32",
         **dict.fromkeys(("M", "N", "K", "E"), "i32"),
-        **dict.fromkeys(("GROUP_M", "STAGES", "ORDERED"), "constexpr"),
+        **dict.fromkeys(("GROUP_M", "STAGES", "ORDERED", "ACCUMULATE"), "constexpr"),
     }
-    constexprs = {"GROUP_M": config.group_m, "STAGES": config.stages, "ORDERED": config.ordered}
+    constexprs = {
+        "GROUP_M": config.group_m,
+        "STAGES": config.stages,
+        "ORDERED": config.ordered,
+        "ACCUMULATE": accumulate,
+    }
     return compile_for_sm90(_grouped_gemm_fp8_wgrad_sm90_kernel, signature, constexprs)
 
 
@@ -440,8 +493,10 @@ def grouped_gemm_fp8_wgrad_reference(
     b_t_scale: torch.Tensor,
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype = torch.float32,
+    accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference (the oracle and the CPU path): dequantize, then one fp32 matmul per expert.
+    """Torch reference (the oracle and the CPU path): dequantize, then one fp32 matmul per expert;
+    with ``accumulate_into``, plus its values in fp32, rounded once (a new tensor: it is not mutated).
 
     Rows of each operand outside every group (at or past the last end) are masked out, so they are
     never part of any expert's sum.
@@ -456,7 +511,10 @@ def grouped_gemm_fp8_wgrad_reference(
         torch.where((owner == e)[None, :], a32, 0.0) @ torch.where((owner == e)[None, :], b32, 0.0).T
         for e in range(group_end_offsets.shape[0])
     ]
-    return torch.stack(out).to(out_dtype)
+    total = torch.stack(out)
+    if accumulate_into is not None:
+        total = total + accumulate_into.float()
+    return total.to(out_dtype)
 
 
 @torch.library.custom_op("fp8flow::grouped_gemm_fp8_wgrad", mutates_args=())
@@ -486,6 +544,31 @@ def _(
     return a_t.new_empty((group_end_offsets.shape[0], a_t.shape[0], b_t.shape[0]), dtype=out_dtype)
 
 
+@torch.library.custom_op("fp8flow::grouped_gemm_fp8_wgrad_accumulate", mutates_args=("accumulate_into",))
+def _grouped_gemm_fp8_wgrad_accumulate_op(
+    a_t: torch.Tensor,
+    a_t_scale: torch.Tensor,
+    b_t: torch.Tensor,
+    b_t_scale: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    accumulate_into: torch.Tensor,
+) -> None:
+    """``accumulate_into += wgrad`` in place (a custom op may not return an alias of its input)."""
+    args = (a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, accumulate_into.dtype)
+    accumulate_into.copy_(grouped_gemm_fp8_wgrad_reference(*args, accumulate_into))
+
+
+@_grouped_gemm_fp8_wgrad_accumulate_op.register_kernel("cuda")
+def _(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, accumulate_into) -> None:
+    args = (a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, accumulate_into.dtype)
+    launch_grouped_gemm_fp8_wgrad(*args, accumulate_into=accumulate_into)
+
+
+@_grouped_gemm_fp8_wgrad_accumulate_op.register_fake
+def _(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, accumulate_into) -> None:
+    return None
+
+
 def _check_inputs(
     a_t: torch.Tensor,
     a_t_scale: torch.Tensor,
@@ -493,6 +576,7 @@ def _check_inputs(
     b_t_scale: torch.Tensor,
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype,
+    accumulate_into: torch.Tensor | None,
 ) -> None:
     check_fp8("a_t", a_t, ndim=2)
     check_fp8("b_t", b_t, ndim=2)
@@ -515,7 +599,18 @@ def _check_inputs(
     check_shape("b_t_scale", b_t_scale, (blocks, k))
     for name, t in (("a_t", a_t), ("b_t", b_t), ("a_t_scale", a_t_scale), ("b_t_scale", b_t_scale)):
         check_contiguous(name, t)  # tokens contiguous: the reduction dim must be K-major for the tensor cores
-    check_same_device(a_t=a_t, a_t_scale=a_t_scale, b_t=b_t, b_t_scale=b_t_scale, group_end_offsets=group_end_offsets)
+    if accumulate_into is not None:
+        check_tensor("accumulate_into", accumulate_into, dtypes=out_dtype, ndim=3)
+        check_shape("accumulate_into", accumulate_into, (group_end_offsets.shape[0], n, k))
+        check_contiguous("accumulate_into", accumulate_into)  # the epilogue's TMA store writes [E * N, K] rows
+    check_same_device(
+        a_t=a_t,
+        a_t_scale=a_t_scale,
+        b_t=b_t,
+        b_t_scale=b_t_scale,
+        group_end_offsets=group_end_offsets,
+        accumulate_into=accumulate_into,
+    )
 
 
 def grouped_gemm_fp8_wgrad(
@@ -524,12 +619,15 @@ def grouped_gemm_fp8_wgrad(
     b_t: torch.Tensor,
     b_t_scale: torch.Tensor,
     group_end_offsets: torch.Tensor,
-    out_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+    accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Blockwise FP8 grouped weight gradient: ``out[e] = dequant(a_t)[:, rows_e] @ dequant(b_t)[:, rows_e]^T``.
 
     With ``a_t`` = dY^T and ``b_t`` = X^T this is ``dW_e = dY_e^T X_e`` for every expert ``e``,
-    where ``rows_e = [end[e-1], end[e])``.
+    where ``rows_e = [end[e-1], end[e])``; with ``accumulate_into``, ``accumulate_into[e] += dW_e``
+    in place, in the kernel's epilogue (fp32 sum of the stored value and the accumulator, rounded
+    once to ``accumulate_into``'s dtype).
 
     Args:
         a_t: E4M3 ``[N, M]`` contiguous (column-wise dY: tokens contiguous), ``N % 128 == 0``,
@@ -540,12 +638,22 @@ def grouped_gemm_fp8_wgrad(
         group_end_offsets: int32 ``[E]`` on the operands' device: padded group END offsets,
             non-decreasing multiples of 128, last ``<= M``. Values are checked only with
             ``FP8FLOW_VALIDATE=1`` (the check syncs the device).
-        out_dtype: ``torch.float32`` (default) or ``torch.bfloat16``.
+        out_dtype: ``torch.float32`` or ``torch.bfloat16`` (the weight's dtype: the epilogue writes
+            it, no cast follows). ``None``: ``accumulate_into``'s dtype, else fp32.
+        accumulate_into: optional ``[E, N, K]`` contiguous ``out_dtype`` tensor (an existing weight
+            gradient) to add the result into, in place (``fp8flow::grouped_gemm_fp8_wgrad_accumulate``).
 
     Returns:
         ``[E, N, K]`` contiguous ``out_dtype``: fp32 accumulation, each 128-token block's partial
-        promoted by ``a_t_scale[mb, n] * b_t_scale[mb, k]``. An empty expert yields zeros; tokens at
-        or past the last group end are never read.
+        promoted by ``a_t_scale[mb, n] * b_t_scale[mb, k]``. An empty expert yields zeros (with
+        ``accumulate_into``: leaves it unchanged); tokens at or past the last group end are never
+        read. With ``accumulate_into``, that tensor itself, updated.
     """
-    _check_inputs(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
-    return torch.ops.fp8flow.grouped_gemm_fp8_wgrad(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
+    if out_dtype is None:
+        out_dtype = accumulate_into.dtype if isinstance(accumulate_into, torch.Tensor) else torch.float32
+    _check_inputs(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype, accumulate_into)
+    args = (a_t, a_t_scale, b_t, b_t_scale, group_end_offsets)
+    if accumulate_into is not None:
+        torch.ops.fp8flow.grouped_gemm_fp8_wgrad_accumulate(*args, accumulate_into)
+        return accumulate_into
+    return torch.ops.fp8flow.grouped_gemm_fp8_wgrad(*args, out_dtype)
