@@ -114,16 +114,28 @@ def row(
     return r
 
 
-def write_results(name: str, rows: list[dict[str, Any]], notes: str = "") -> Path:
-    """Write ``<name>.json`` and a markdown table ``<name>.md`` under RESULTS_DIR; print the table."""
+def write_results(
+    name: str,
+    rows: list[dict[str, Any]],
+    notes: str = "",
+    measured_on: tuple[str, dict[str, str]] | None = None,
+) -> Path:
+    """Write ``<name>.json`` and a markdown table ``<name>.md`` under RESULTS_DIR; print the table.
+
+    ``measured_on`` = (device, versions) of the machine that measured ``rows`` when the files are
+    written elsewhere (a report merged from saved runs); default: this process's.
+    """
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    device, versions_ = measured_on or (device_name(), versions())
     doc = {
         "benchmark": name,
-        "device": device_name(),
-        "versions": versions(),
+        "device": device,
+        "versions": versions_,
         "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
-        "copy_bandwidth_gbps": round(copy_bandwidth_gbps(), 1) if torch.cuda.is_available() else None,
+        "copy_bandwidth_gbps": round(copy_bandwidth_gbps(), 1)
+        if torch.cuda.is_available() and not measured_on
+        else None,
         "notes": notes,
         "rows": rows,
     }

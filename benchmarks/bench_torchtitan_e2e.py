@@ -1,139 +1,192 @@
-"""End to end in torchtitan 0.2.2: training tokens/s and peak memory, BF16 vs the "fp8flow" converter.
+"""End to end in torchtitan 0.2.2: tokens/s and peak memory of BF16, FP8 row-wise and FP8-Flow under torchtitan's features.
 
-Trains the two TOML configs of ``torchtitan_configs/`` (identical but for ``model.converters``) with
-torchtitan's own ``Trainer`` in this process on one GPU, each for ``--steps`` steps on the offline
-corpus, and reports the median step time after ``--warmup`` steps (tokens/s = local batch x sequence
-length / step time), the peak ``memory_allocated`` of the run, and the first and last loss.
+Trains ``torchtitan_configs/deepseek_v3_debug_bf16.toml`` with torchtitan's own ``Trainer`` in this
+process on one GPU, for ``--steps`` steps on the offline corpus, once per selected combination of
 
-Two model sizes (``--flavors``):
-* ``debugmodel``: torchtitan's DeepSeek-V3 debug model (D=256, 8 experts top-3, expert ffn 256), so
-  small that fixed per-op costs dominate: a functional check more than a speed test;
-* ``fp8flow_gpu``: the demo's ``gpu`` preset (4 layers, D=2048, 32 experts top-8, H=768, about
-  0.6 B parameters), added to torchtitan's DeepSeek-V3 flavor table by this script.
+* ``--compile on off``: ``compile.enable`` (torchtitan compiles each block's submodules; in 0.2.2
+  ``apply_compile`` skips the MoE's ``experts`` child, so the routed experts of every recipe, the
+  FP8-Flow path included, run eagerly: its Triton kernels as launched, the glue ops uncompiled);
+* ``--ac none selective full``: ``activation_checkpoint.mode`` (``selective`` with
+  ``--selective-ac-option``, default ``op``: torchtitan's per-op policy that its DeepSeek-V3 configs use);
+* ``--recompute off on``: ``fp8flow.recompute_experts`` (FP8-Flow only: BF16 and row-wise have no
+  such option, so ``on`` adds one FP8-Flow run and compares it with the same BF16 run);
+* ``--recipes bf16 rowwise fp8flow``: BF16 experts; the torchao-style FP8 row-wise baseline
+  (``fp8flow.recipe = "rowwise"``: per-row scales and ``torch._scaled_grouped_mm``, since torchtitan
+  0.2.2's own ``quantize.grouped_mm.float8`` converter cannot import torchao 0.18); FP8-Flow blockwise.
 
-``--compile`` turns on ``compile.enable`` (torchtitan compiles each block's submodules, not the
-routed experts). Exits 0 with a message when there is no CUDA device.
+Each run's median step time after ``--warmup`` steps gives tokens/s (local batch x sequence length /
+step time); peak = ``max_memory_allocated`` of the run. Runs are written one file each under
+``--runs-dir`` as they finish, so a selection that fits one 10-minute GPU command can be run per
+invocation; ``--report`` merges every run found into ``torchtitan_e2e.{json,md}`` (one row per flavor,
+compile, AC and recompute setting; the same-settings BF16 run is the baseline). Wall time: about
+40 s per run without compile and 60-90 s with it for ``fp8flow_gpu`` (startup, compile, 30 steps).
+
+``--device cpu`` runs the same path on torchtitan's ``debugmodel`` through the CPU runner with tiny
+batches (a smoke test; its timings mean nothing). Exits 0 with a message when ``--device cuda`` has
+no CUDA device.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import os
-import statistics
+import itertools
+import json
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from _bench import row, write_results
+from _bench import RESULTS_DIR, device_name, row, versions, write_results
+from _torchtitan import BASE_TOML, RECIPE_NAMES, common_args, recipe_args, tokens_per_s, train
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = {"bf16": REPO / "torchtitan_configs/deepseek_v3_debug_bf16.toml"}
-CONFIGS["fp8flow"] = REPO / "torchtitan_configs/deepseek_v3_debug_fp8flow.toml"
 FLAVORS = ("debugmodel", "fp8flow_gpu")
+AC_MODES = ("none", "selective", "full")
+CPU_ARGS = [
+    "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
+]  # fmt: skip
 
 
-def add_flavor() -> None:
-    """Register ``fp8flow_gpu`` (the demo's gpu preset) in torchtitan's DeepSeek-V3 flavor table."""
-    from torchtitan.models.deepseek_v3 import deepseekv3_args
-
-    from fp8flow_ao.demo import PRESETS, model_args
-
-    deepseekv3_args.setdefault("fp8flow_gpu", model_args(PRESETS["gpu"], torch.device("cuda")))
+def run_name(flavor: str, compile_: bool, ac: str, recipe: str, recompute: bool) -> str:
+    """The file stem of one run: every setting that tells runs apart."""
+    return f"{flavor}_compile-{'on' if compile_ else 'off'}_ac-{ac}_{recipe}{'_recompute' if recompute else ''}"
 
 
-def train(config_file: Path, args: list[str]) -> dict[str, float | list[float]]:
-    """Run torchtitan's Trainer on ``config_file`` + ``args``; time each step (synchronized)."""
-    from torchtitan.config import ConfigManager
-    from torchtitan.train import Trainer
-
-    from fp8flow_ao.data import PACKAGED_TOKENIZER_DIR
-
-    # The TOML's tokenizer path is relative to the repository root; this script may run from elsewhere.
-    tokenizer = ["--model.hf_assets_path", str(PACKAGED_TOKENIZER_DIR)]
-    config = ConfigManager().parse_args(["--job.config_file", str(config_file), *tokenizer, *args])
-    trainer = Trainer(config)
-    times: list[float] = []
-    losses: list[float] = []
-    train_step, log = trainer.train_step, trainer.metrics_processor.log
-
-    def timed_step(data_iterator) -> None:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        train_step(data_iterator)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-
-    def record(step: int, loss: float, *rest, **kwargs) -> None:
-        losses.append(float(loss))
-        log(step, loss, *rest, **kwargs)
-
-    trainer.train_step, trainer.metrics_processor.log = timed_step, record
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    tokens = config.training.local_batch_size * config.training.seq_len
-    return {"times": times, "losses": losses, "tokens": tokens, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+def run_flags(args: argparse.Namespace, flavor: str, compile_: bool, ac: str, recipe: str, recompute: bool, dump: str):
+    """torchtitan flags of one run."""
+    flags = [*common_args(BASE_TOML, dump), *recipe_args(recipe), "--model.flavor", flavor]
+    flags += ["--training.steps", str(args.steps), "--compile.enable" if compile_ else "--compile.no-enable"]
+    flags += [
+        "--activation_checkpoint.mode",
+        ac,
+        "--activation_checkpoint.selective_ac_option",
+        args.selective_ac_option,
+    ]
+    flags += ["--fp8flow.recompute_experts"] if recompute else []
+    return flags + (CPU_ARGS if args.device == "cpu" else [])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flavors", nargs="+", choices=FLAVORS, default=list(FLAVORS))
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median (compile, allocator)")
-    parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--recompute", action="store_true", help="fp8flow.recompute_experts = true")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_torchtitan_e2e: no CUDA device, nothing to measure.")
-        return
-    from torchtitan.tools.logging import init_logger
+def selected_runs(args: argparse.Namespace) -> list[tuple[str, bool, str, str, bool]]:
+    """(flavor, compile, ac, recipe, recompute) of every run the arguments select."""
+    out = []
+    for flavor, c, ac, recipe, r in itertools.product(
+        args.flavors, args.compile, args.ac, args.recipes, args.recompute
+    ):
+        if r == "on" and recipe != "fp8flow":
+            continue  # only FP8-Flow has recompute_experts; its baseline is the same BF16 run
+        out.append((flavor, c == "on", ac, recipe, r == "on"))
+    return out
 
-    init_logger()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    add_flavor()
+
+def measure(args: argparse.Namespace) -> list[Path]:
+    """Train every selected run; write each as ``<runs_dir>/<run_name>.json`` as soon as it finishes."""
+    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for flavor, compile_, ac, recipe, recompute in selected_runs(args):
+        name = run_name(flavor, compile_, ac, recipe, recompute)
+        print(f"=== {name}", flush=True)
+        with tempfile.TemporaryDirectory() as dump:
+            record = train(run_flags(args, flavor, compile_, ac, recipe, recompute, dump), args.device)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        result = {
+            "flavor": flavor, "compile": compile_, "ac": ac, "recipe": recipe, "recompute": recompute,
+            "steps": args.steps, "warmup": args.warmup, "tokens_per_step": record.tokens_per_step,
+            "step_us": 1e6 * record.tokens_per_step / tokens_per_s(record, args.warmup),
+            "tokens_per_s": round(tokens_per_s(record, args.warmup)), "peak_mem_gib": record.peak_mem_gib,
+            "first_loss": record.losses[0], "last_loss": record.losses[-1],
+            "device": device_name(), "versions": versions(),
+        }  # fmt: skip
+        path = args.runs_dir / f"{name}.json"
+        path.write_text(json.dumps(result) + "\n")
+        written.append(path)
+    return written
+
+
+def _gib(run: dict[str, Any] | None) -> float | None:
+    return None if run is None or run["peak_mem_gib"] is None else round(run["peak_mem_gib"], 2)
+
+
+def report_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One PERF.md row per (flavor, compile, ac, recompute) that has an FP8-Flow run: FP8-Flow vs same-settings BF16."""
+    by_key = {(r["flavor"], r["compile"], r["ac"], r["recipe"], r["recompute"]): r for r in runs}
     rows = []
-    with tempfile.TemporaryDirectory() as dump:
-        for flavor in args.flavors:
-            common = ["--model.flavor", flavor, "--training.steps", str(args.steps), "--job.dump_folder", dump]
-            common += ["--compile.enable"] if args.compile else []
-            runs = {}
-            for name, config_file in CONFIGS.items():
-                extra = ["--fp8flow.recompute_experts"] if name == "fp8flow" and args.recompute else []
-                runs[name] = train(config_file, [*common, *extra])
-                gc.collect()
-                torch.cuda.empty_cache()
-            rows.append(result_row(flavor, runs, args.warmup))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    for (flavor, compile_, ac, recipe, recompute), ours in sorted(by_key.items()):
+        if recipe != "fp8flow":
+            continue
+        bf16, rowwise = (by_key.get((flavor, compile_, ac, name, False)) for name in ("bf16", "rowwise"))
+        case = f"{flavor}, compile {'on' if compile_ else 'off'}, AC {ac}{', recompute_experts' if recompute else ''}"
+        rows.append(
+            row(
+                f"{case}, {ours['tokens_per_step']} tokens/step",
+                ours["step_us"],
+                f"{RECIPE_NAMES['bf16']} torchtitan, same settings",
+                None if bf16 is None else bf16["step_us"],
+                bf16_tokens_per_s=None if bf16 is None else bf16["tokens_per_s"],
+                rowwise_tokens_per_s=None if rowwise is None else rowwise["tokens_per_s"],
+                fp8flow_tokens_per_s=ours["tokens_per_s"],
+                speedup_vs_rowwise=None if rowwise is None else round(rowwise["step_us"] / ours["step_us"], 3),
+                bf16_peak_gib=_gib(bf16),
+                rowwise_peak_gib=_gib(rowwise),
+                fp8flow_peak_gib=_gib(ours),
+                bf16_loss=None if bf16 is None else f"{bf16['first_loss']:.3f}->{bf16['last_loss']:.3f}",
+                fp8flow_loss=f"{ours['first_loss']:.3f}->{ours['last_loss']:.3f}",
+            )
+        )
+    return rows
+
+
+def report(runs_dir: Path) -> Path:
+    """Merge every run under ``runs_dir`` into ``torchtitan_e2e.{json,md}``."""
+    runs = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*.json"))]
+    if not any(r["recipe"] == "fp8flow" for r in runs):
+        raise ValueError(f"--runs-dir {runs_dir}: no fp8flow run to report (found {len(runs)} runs)")
+    machines = {(r["device"], json.dumps(r["versions"], sort_keys=True)) for r in runs}
+    if len(machines) != 1:
+        raise ValueError(f"--runs-dir {runs_dir}: runs measured on different devices/versions {sorted(machines)}")
+    device, versions_ = next(iter(machines))
+    steps = sorted({(r["steps"], r["warmup"]) for r in runs})
     notes = (
-        f"torchtitan Trainer, one GPU, {args.steps} steps, median step time after {args.warmup}; "
-        f"compile={args.compile}, recompute_experts={args.recompute}; peak = max memory_allocated of the run."
+        "torchtitan Trainer, one GPU; (steps, warm-up steps left out of the median) "
+        f"{steps}; ours = FP8-Flow blockwise, baseline = BF16 with the same compile/AC settings; rowwise = "
+        "torchao-style FP8 row-wise (fp8flow.recipe=rowwise); speedup = step-time ratio; peak = max "
+        "memory_allocated of the run. torchtitan 0.2.2 compiles each block's submodules but not the MoE's "
+        "routed experts (apply_compile skips `experts`), in every recipe."
     )
-    write_results("torchtitan_e2e", rows, notes=notes)
+    return write_results("torchtitan_e2e", report_rows(runs), notes=notes, measured_on=(device, json.loads(versions_)))
 
 
-def result_row(flavor: str, runs: dict, warmup: int) -> dict:
-    step_us = {name: statistics.median(r["times"][warmup:] or r["times"]) * 1e6 for name, r in runs.items()}
-    tokens = runs["bf16"]["tokens"]
-    return row(
-        f"deepseek_v3 {flavor}, {tokens} tokens/step",
-        step_us["fp8flow"],
-        "BF16 torchtitan (same config, no converter)",
-        step_us["bf16"],
-        tokens_per_s=round(tokens / step_us["fp8flow"] * 1e6),
-        baseline_tokens_per_s=round(tokens / step_us["bf16"] * 1e6),
-        peak_mem_gib=round(runs["fp8flow"]["peak_gib"], 2),
-        baseline_peak_mem_gib=round(runs["bf16"]["peak_gib"], 2),
-        first_loss=round(runs["fp8flow"]["losses"][0], 4),
-        baseline_first_loss=round(runs["bf16"]["losses"][0], 4),
-        last_loss=round(runs["fp8flow"]["losses"][-1], 4),
-        baseline_last_loss=round(runs["bf16"]["losses"][-1], 4),
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--flavors", nargs="+", choices=FLAVORS, default=["fp8flow_gpu"])
+    p.add_argument("--compile", nargs="+", choices=("on", "off"), default=["on"])
+    p.add_argument("--ac", nargs="+", choices=AC_MODES, default=["none"])
+    p.add_argument("--selective-ac-option", default="op", help="activation_checkpoint.selective_ac_option")
+    p.add_argument("--recompute", nargs="+", choices=("off", "on"), default=["off"], help="fp8flow.recompute_experts")
+    p.add_argument("--recipes", nargs="+", choices=sorted(RECIPE_NAMES), default=["bf16", "rowwise", "fp8flow"])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the median (compile, allocator)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--runs-dir", type=Path, default=RESULTS_DIR / "torchtitan_e2e_runs")
+    p.add_argument("--report", action="store_true", help="only merge the runs in --runs-dir (no training)")
+    p.add_argument("--no-report", action="store_true", help="only train (merge later with --report)")
+    args = p.parse_args(argv)
+    if args.steps <= args.warmup:
+        p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train the selected runs, then merge every run found into the result files (see the module docstring)."""
+    args = parse_args(argv)
+    if not args.report:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            print("bench_torchtitan_e2e: no CUDA device, nothing to measure.")
+            return
+        measure(args)
+    if not args.no_report:
+        report(args.runs_dir)
 
 
 if __name__ == "__main__":

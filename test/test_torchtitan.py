@@ -269,3 +269,29 @@ def test_trainer_trains_both_configs_on_cpu(tmp_path: Path, corpus: Path) -> Non
         assert losses["fp8flow"][step] == pytest.approx(losses["bf16"][step], rel=1e-3)
     assert losses["fp8flow"] != losses["bf16"], "the fp8flow run must have run the FP8 path"
     assert not torch.distributed.is_initialized()  # the one-process group is torn down
+
+
+@pytest.mark.parametrize(
+    ("mode", "recompute"),
+    [("selective", False), ("full", False), ("full", True)],
+    ids=["selective-op", "full", "full-recompute"],
+)
+def test_trainer_with_activation_checkpointing_matches_no_checkpointing(
+    tmp_path: Path, corpus: Path, mode: str, recompute: bool
+) -> None:
+    """torchtitan's AC around the converted blocks (per-op selective, full) and recompute_experts: same losses as none.
+
+    Step 2's loss depends on step 1's gradients, so equal losses mean the recomputed forward in
+    backward gave the same gradients on the FP8-Flow path (the CPU runs deterministic kernels).
+    """
+    common = [
+        "--job.config_file", str(FP8FLOW_TOML), "--training.steps", "2", "--training.seq_len", "64",
+        "--training.local_batch_size", "2", "--training.dataset_path", str(corpus.parent),
+        "--training.mixed_precision_param", "float32", "--model.hf_assets_path", str(assets.TOKENIZER_DIR),
+        "--activation_checkpoint.selective_ac_option", "op",
+    ]  # fmt: skip
+    plain = cpu.train([*common, "--job.dump_folder", str(tmp_path / "none")], False)
+    flags = ["--activation_checkpoint.mode", mode] + (["--fp8flow.recompute_experts"] if recompute else [])
+    checkpointed = cpu.train([*common, *flags, "--job.dump_folder", str(tmp_path / mode)], False)
+    assert len(checkpointed) == 2 and all(map(math.isfinite, checkpointed))
+    assert checkpointed == plain

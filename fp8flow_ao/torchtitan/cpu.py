@@ -129,28 +129,21 @@ def _no_capability(major: int, minor: int) -> bool:
 
 def train(args: list[str], init_logging: bool = True) -> list[float]:
     """Parse torchtitan command-line ``args``, train on the CPU; return the loss of every logged step."""
+    return train_recorded_on_cpu(args, init_logging).losses
+
+
+def train_recorded_on_cpu(args: list[str], init_logging: bool = True):
+    """Parse torchtitan command-line ``args``, train on the CPU; return the :class:`~fp8flow_ao.torchtitan.record.RunRecord`."""
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
-    from torchtitan.train import Trainer
+
+    from fp8flow_ao.torchtitan.record import train_recorded
 
     if init_logging:
         init_logger()
     config = ConfigManager().parse_args(args)
     with torchtitan_on_cpu(config.model.name):
-        trainer = Trainer(config)
-        losses: list[float] = []
-        log = trainer.metrics_processor.log
-
-        def record(step: int, global_avg_loss: float, *rest, **kwargs) -> None:
-            losses.append(float(global_avg_loss))
-            log(step, global_avg_loss, *rest, **kwargs)
-
-        trainer.metrics_processor.log = record
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
-        return losses
+        return train_recorded(config)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""What the torchtitan benchmarks share: recipes as job-config flags, one in-process run, throughput.
+
+``bench_torchtitan_e2e.py`` and ``bench_convergence.py`` both train torchtitan 0.2.2's ``Trainer`` in
+their own process (one GPU, or the CPU runner of :mod:`fp8flow_ao.torchtitan.cpu`) and differ only
+in what they vary and report.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BASE_TOML = REPO / "torchtitan_configs/deepseek_v3_debug_bf16.toml"
+# The three ways the routed experts run, as flags on top of a BF16 job config. "rowwise" is the
+# torchao-style FP8 row-wise baseline (per-row scales, torch._scaled_grouped_mm on torchtitan's own
+# expert path): torchtitan 0.2.2's quantize.grouped_mm.float8 converter cannot import torchao 0.18.
+RECIPES: dict[str, list[str]] = {
+    "bf16": [],
+    "rowwise": ["--model.converters", "fp8flow", "--fp8flow.recipe", "rowwise"],
+    "fp8flow": ["--model.converters", "fp8flow", "--fp8flow.recipe", "blockwise"],
+}
+RECIPE_NAMES = {"bf16": "BF16", "rowwise": "FP8 row-wise (torchao-style)", "fp8flow": "FP8-Flow blockwise"}
+
+
+def recipe_args(recipe: str) -> list[str]:
+    """The job-config flags of ``recipe`` (a key of :data:`RECIPES`)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {recipe!r}")
+    return list(RECIPES[recipe])
+
+
+def common_args(config_file: Path, dump_folder: str | Path) -> list[str]:
+    """``--job.config_file`` plus the paths a run from any working directory needs (the packaged tokenizer)."""
+    from fp8flow_ao.data import PACKAGED_TOKENIZER_DIR
+
+    return [
+        "--job.config_file", str(config_file), "--model.hf_assets_path", str(PACKAGED_TOKENIZER_DIR),
+        "--job.dump_folder", str(dump_folder),
+    ]  # fmt: skip
+
+
+def train(args: list[str], device: str):
+    """Parse torchtitan ``args`` and train in this process on ``device`` ("cuda" or "cpu"); a ``RunRecord``."""
+    import fp8flow_ao.torchtitan  # noqa: F401  (registers converter, datasets, the fp8flow_gpu flavor)
+    from fp8flow_ao.torchtitan import cpu
+    from fp8flow_ao.torchtitan.record import train_recorded
+
+    if device == "cpu":
+        return cpu.train_recorded_on_cpu(args, init_logging=False)
+    if device != "cuda":
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    from torchtitan.config import ConfigManager
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    try:
+        return train_recorded(ConfigManager().parse_args(args))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def tokens_per_s(record, warmup: int) -> float:
+    """Tokens per second from the median step time after ``warmup`` steps (compile, allocator)."""
+    times = record.step_seconds[warmup:] or record.step_seconds
+    return record.tokens_per_step / statistics.median(times)

@@ -1,0 +1,139 @@
+"""Run torchtitan 0.2.2's ``Trainer`` in this process and record what a benchmark needs.
+
+:func:`train_recorded` trains one parsed job config and returns a :class:`RunRecord`: the loss and
+gradient norm of every logged step, each step's wall time (synchronized on CUDA, so it is the
+step's device time plus the data loading of that step), the held-out losses, the peak memory.
+
+Validation: torchtitan's ``Validator`` runs when ``validation.enable`` is set, but 0.2.2's
+``deepseek_v3`` train spec has no ``build_validator_fn`` (the Trainer asserts on it), so the model is
+built with validation off and torchtitan's own ``build_validator`` is attached afterwards with the
+trainer's parts (and the trainer's input processing, see :func:`_attach_validator`). Each validation restarts the held-out stream, so every evaluation scores the same
+``validation.steps`` batches (torchtitan's validator otherwise continues where the last one stopped
+and compares losses on different text at each step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class RunRecord:
+    """What one training run measured (one entry per logged step unless said otherwise)."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    """Wall time of every step (all steps, logged or not)."""
+    validation: dict[int, float] = field(default_factory=dict)
+    """Held-out loss by step."""
+    tokens_per_step: int = 0
+    peak_mem_gib: float | None = None
+    """``torch.cuda.max_memory_allocated`` over the run; None on the CPU."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as JSON-ready data (validation keys become strings, as JSON needs)."""
+        out = dataclasses.asdict(self)
+        out["validation"] = {str(k): v for k, v in self.validation.items()}
+        return out
+
+
+def _attach_validator(trainer: Any, config: Any) -> None:
+    """Give ``trainer`` torchtitan's own validator (its train spec has none) that restarts the held-out stream."""
+    from torchtitan.components.validate import build_validator
+
+    if trainer.parallel_dims.world_size != 1:
+        raise ValueError("validation.enable: the validator is attached for one-process runs only")
+    validator = build_validator(
+        job_config=config,
+        dp_world_size=1,
+        dp_rank=0,
+        tokenizer=trainer.tokenizer,
+        parallel_dims=trainer.parallel_dims,
+        loss_fn=trainer.loss_fn,
+        validation_context=trainer.train_context,
+        maybe_enable_amp=trainer.maybe_enable_amp,
+        metrics_processor=trainer.metrics_processor,
+    )
+    # 0.2.2's Validator always builds flex-attention masks, which sdpa models (deepseek_v3's default)
+    # refuse (``assert attention_masks is None``); the trainer's own step asks the model's attn_type.
+    validator.post_dataloading_process = lambda input_dict, labels, model_parts: trainer.post_dataloading_process(
+        input_dict, labels
+    )
+    validate, dataset = validator.validate, validator.validation_dataloader.dataset
+
+    def validate_from_start(model_parts: list, step: int) -> None:
+        dataset._sample_idx, dataset._token_buffer = 0, []  # the same held-out batches every time
+        validate(model_parts, step)
+
+    validator.validate = validate_from_start
+    trainer.validator = validator
+    config.validation.enable = True
+
+
+def _build_trainer(config: Any) -> Any:
+    """torchtitan's Trainer for ``config``, with a validator attached when ``validation.enable`` asks for one."""
+    from torchtitan.train import Trainer
+
+    validate = config.validation.enable
+    config.validation.enable = False  # the deepseek_v3 spec has no validator builder; attached below
+    trainer = Trainer(config)
+    if validate:
+        _attach_validator(trainer, config)
+    return trainer
+
+
+def _hook(trainer: Any, record: RunRecord, sync: Callable[[], None]) -> None:
+    """Wrap the trainer's step (timed) and metric logging (recorded) in place."""
+    train_step, log, log_validation = (
+        trainer.train_step,
+        trainer.metrics_processor.log,
+        trainer.metrics_processor.log_validation,
+    )
+
+    def timed_step(data_iterator) -> None:
+        sync()
+        start = time.perf_counter()
+        train_step(data_iterator)
+        sync()
+        record.step_seconds.append(time.perf_counter() - start)
+
+    def log_step(step: int, loss: float, max_loss: float, grad_norm: float, *rest, **kwargs) -> None:
+        record.losses.append(float(loss))
+        record.grad_norms.append(float(grad_norm))
+        log(step, loss, max_loss, grad_norm, *rest, **kwargs)
+
+    def log_held_out(loss: float, step: int, *rest, **kwargs) -> None:
+        record.validation[int(step)] = float(loss)
+        log_validation(loss, step, *rest, **kwargs)
+
+    trainer.train_step = timed_step
+    trainer.metrics_processor.log = log_step
+    trainer.metrics_processor.log_validation = log_held_out
+
+
+def train_recorded(config: Any) -> RunRecord:
+    """Train the parsed torchtitan ``JobConfig`` ``config`` in this process; return what it measured.
+
+    On the CPU call it inside :func:`fp8flow_ao.torchtitan.cpu.torchtitan_on_cpu`.
+    """
+    trainer = _build_trainer(config)
+    cuda = trainer.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    record = RunRecord(tokens_per_step=config.training.local_batch_size * config.training.seq_len)
+    _hook(trainer, record, sync)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    if cuda:
+        record.peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30
+    return record

@@ -1,0 +1,90 @@
+"""benchmarks/bench_convergence.py on the CPU: 3 steps of torchtitan's debugmodel per recipe, then the report.
+
+The runs train on a tiny source corpus (the standard library's ``email`` package) so nothing large
+is built; what is checked is the plumbing: same data and seed give the same first loss, the held-out
+loss is recorded at the validation steps, and the report's gaps, table and PNG come out of the runs.
+"""
+
+from __future__ import annotations
+
+import email
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("datasets")
+pytest.importorskip("matplotlib")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_convergence as bc  # noqa: E402
+
+from fp8flow_ao import corpus as C  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("convergence")
+    spec = C.CorpusSpec(train_tokens=20_000, heldout_tokens=3_000, heldout_permille=250)
+    C.build_source_corpus(tmp / "corpus", spec, {"stdlib": Path(email.__file__).parent}, with_pydoc=False)
+    common = ["--device", "cpu", "--steps", "3", "--val-freq", "2", "--corpus", str(tmp / "corpus")]
+    for recipe in ("bf16", "fp8flow"):
+        bc.main(["--recipe", recipe, *common, "--runs-dir", str(tmp / "runs")])
+    bc.main(["--report", "--runs-dir", str(tmp / "runs"), "--results-dir", str(tmp / "results")])
+    return tmp / "runs", tmp / "results"
+
+
+def test_runs_record_losses_and_heldout_on_the_same_data(runs: tuple[Path, Path]) -> None:
+    runs_dir, _ = runs
+    bf16, fp8 = (json.loads((runs_dir / f"{n}.json").read_text()) for n in ("bf16", "fp8flow"))
+    for r in (bf16, fp8):
+        assert len(r["losses"]) == len(r["grad_norms"]) == len(r["step_seconds"]) == 3
+        assert all(map(math.isfinite, r["losses"] + r["grad_norms"]))
+        assert set(r["validation"]) == {"1", "2"}, "held-out loss at step 1 and every --val-freq steps"
+    assert "--model.converters" in fp8["torchtitan_flags"] and "--model.converters" not in bf16["torchtitan_flags"]
+    assert fp8["losses"][0] == pytest.approx(bf16["losses"][0], rel=1e-3), "same seed, same first batch"
+    assert fp8["losses"] != bf16["losses"], "the fp8flow run ran the FP8 path"
+    assert fp8["corpus"] == bf16["corpus"] and fp8["corpus"]["train_tokens"] >= 20_000
+
+
+def test_report_merges_runs_into_json_md_png(runs: tuple[Path, Path]) -> None:
+    _, results = runs
+    doc = json.loads((results / "convergence.json").read_text())
+    assert set(doc["runs"]) == {"bf16", "fp8flow"}
+    fp8 = doc["runs"]["fp8flow"]
+    assert abs(fp8["train_gap_last_half"]) < 0.02 and abs(fp8["heldout_gap_final"]) < 0.02
+    assert set(fp8["heldout_gap_by_step"]) == {"1", "2"} and isinstance(fp8["meets_goal"], bool)
+    assert len(doc["curves"]["fp8flow"]["loss"]) == 3
+    md = (results / "convergence.md").read_text()
+    assert "| fp8flow | FP8-Flow blockwise |" in md and "convergence.png" in md
+    assert (results / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_refuses_runs_on_other_data_or_without_bf16(tmp_path: Path, runs: tuple[Path, Path]) -> None:
+    runs_dir, _ = runs
+    fp8 = json.loads((runs_dir / "fp8flow.json").read_text())
+    (tmp_path / "fp8flow.json").write_text(json.dumps(fp8))
+    with pytest.raises(ValueError, match="no bf16.json"):
+        bc.load_runs(tmp_path)
+    other = dict(fp8, name="bf16", corpus=dict(fp8["corpus"], fingerprint="0" * 16))
+    (tmp_path / "bf16.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="different corpora"):
+        bc.load_runs(tmp_path)
+    with pytest.raises(ValueError, match="same --steps"):
+        bc.gaps(dict(fp8, losses=fp8["losses"][:2]), fp8)
+
+
+def test_ema_and_gaps() -> None:
+    assert bc.ema([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0]), "bias-corrected: no pull toward 0"
+    base = {"name": "b", "losses": [4.0, 2.0, 2.0, 2.0], "validation": {"1": 4.0, "4": 2.0}}
+    run = {"name": "r", "losses": [4.0, 2.0, 2.02, 1.98], "validation": {"1": 4.0, "4": 2.01}}
+    g = bc.gaps(run, base)
+    assert g["train_gap_last_half"] == pytest.approx(0.0) and g["mean_abs_step_gap_last_half"] == pytest.approx(0.01)
+    assert g["heldout_gap_final"] == pytest.approx(0.005)
+    with pytest.raises(SystemExit):
+        bc.parse_args(["--recipe", "bf16", "--report"])
