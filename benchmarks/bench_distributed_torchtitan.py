@@ -1,12 +1,14 @@
 """torchtitan on 2 GPUs: FSDP2, expert parallelism (FP8 dispatch), compile, recompute and DCP, BF16 vs FP8-Flow.
 
-Each run is one ``torchrun --nproc_per_node 2`` launch of torchtitan's ``Trainer`` on the shipped
-TOMLs (BF16 and FP8-Flow differ only in ``model.converters``), recording every step's loss (the
-exact float), step times and peak memory. Runs (``--runs``; ``bash .ci/gpu OUT multigpu`` runs them):
+Each run is one ``torchrun --nproc_per_node 2`` launch of torchtitan's ``Trainer`` on the DeepSeek-V3
+debug TOML with the recipe's flags (``benchmarks/_torchtitan.py``: BF16, or the ``fp8flow`` converter),
+recording every step's loss (the exact float), step times and peak memory (``RunRecord``). Runs (``--runs``; ``bash .ci/gpu OUT multigpu`` runs them):
 
 * ``fsdp`` / ``ep``: 50 steps of the debug model, ``data_parallel_shard_degree 2`` without / with
   ``expert_parallel_degree 2`` (EP borrows the FSDP ranks, so ``ep`` is EP=2 x FSDP=2); deterministic
   kernels; ``ep`` saves a DCP checkpoint at step 25. Goal: FP8-Flow's losses within 0.5% of BF16's.
+  ``fsdp`` also runs FP8-Flow with ``fp8flow.fsdp_fp8_all_gather`` (expert weights gathered as FP8
+  tiles): its losses must equal the BF16-gather run's bit for bit.
 * ``resume``: FP8-Flow EP=2 restarted from the ``ep`` run's step-25 checkpoint: steps 26-50 must
   reproduce the uninterrupted run's losses bit for bit.
 * ``cross``: the BF16 step-25 checkpoint loaded (model only, same keys) into an FP8-Flow run, and the
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 from _bench import RESULTS_DIR, row, write_results
+from _torchtitan import BASE_TOML, common_args, recipe_args
 
 HERE = Path(__file__).resolve().parent
 RECIPES = ("bf16", "fp8flow")
@@ -46,14 +49,17 @@ RUN_GROUPS = ("fsdp", "ep", "resume", "cross", "compile", "perf")
 
 def worker(out: Path, recipe: str, args: list[str]) -> None:
     """Under torchrun: one torchtitan training; rank 0 writes its record to ``out``."""
-    from bench_torchtitan_e2e import CONFIGS, add_flavor, train
+    from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
 
+    import fp8flow_ao.torchtitan  # noqa: F401  (converter, datasets, the fp8flow_gpu flavor)
+    from fp8flow_ao.torchtitan.record import train_recorded
+
     init_logger()
-    add_flavor()
-    result = train(CONFIGS[recipe], args)
+    config = ConfigManager().parse_args([*common_args(BASE_TOML, "unused"), *recipe_args(recipe), *args])
+    record = train_recorded(config)
     if int(os.environ.get("RANK", "0")) == 0:
-        out.write_text(json.dumps(result))
+        out.write_text(json.dumps(record.to_json()))
 
 
 def launch(name: str, recipe: str, args: list[str], work: Path, records: dict) -> dict:
@@ -95,6 +101,10 @@ def run_groups(groups: list[str], work: Path) -> dict:
                 work,
                 records,
             )
+        fp8_gather = [*debug, *FSDP, *DETERMINISTIC, "--fp8flow.fsdp_fp8_all_gather"]
+        launch(
+            "fsdp-fp8gather", "fp8flow", [*fp8_gather, "--job.dump_folder", str(work / "fsdp-fp8gather")], work, records
+        )
     if {"ep", "resume", "cross"} & set(groups):
         for recipe in RECIPES:
             args = [*debug, *EP, *DETERMINISTIC, *CHECKPOINT, "--job.dump_folder", str(dump[f"ep-{recipe}"])]
@@ -141,15 +151,15 @@ def _gap(ours: list[float], base: list[float]) -> float:
 def report(records: dict, name: str) -> None:
     rows, notes = [], []
     ok = {k: v for k, v in records.items() if not v.get("failed")}
-    for name in sorted(k for k in records if records[k].get("failed")):
-        notes.append(f"FAILED run {name} (exit {records[name]['returncode']}).")
+    for run in sorted(k for k in records if records[k].get("failed")):
+        notes.append(f"FAILED run {run} (exit {records[run]['returncode']}).")
     for mode in ("fsdp", "ep", "compile", "perf"):
         bf16, fp8 = ok.get(f"{mode}-bf16"), ok.get(f"{mode}-fp8flow")
         if not (bf16 and fp8):
             continue
         warm = 5 if mode == "perf" else 3
-        step_us = {k: statistics.median(r["times"][warm:]) * 1e6 for k, r in (("bf16", bf16), ("fp8", fp8))}
-        tokens = fp8["tokens"]
+        step_us = {k: statistics.median(r["step_seconds"][warm:]) * 1e6 for k, r in (("bf16", bf16), ("fp8", fp8))}
+        tokens = fp8["tokens_per_step"]
         rows.append(
             row(
                 f"{mode}: {' '.join(a for a in fp8['args'] if a.startswith('--') and 'dump' not in a)}",
@@ -158,12 +168,22 @@ def report(records: dict, name: str) -> None:
                 step_us["bf16"],
                 tokens_per_s_per_gpu=round(tokens / step_us["fp8"] * 1e6),
                 baseline_tokens_per_s_per_gpu=round(tokens / step_us["bf16"] * 1e6),
-                peak_gib=round(fp8["peak_gib"], 2),
-                baseline_peak_gib=round(bf16["peak_gib"], 2),
+                peak_gib=round(fp8["peak_mem_gib"], 2),
+                baseline_peak_gib=round(bf16["peak_mem_gib"], 2),
                 last_loss=round(fp8["losses"][-1], 4),
                 baseline_last_loss=round(bf16["losses"][-1], 4),
                 loss_gap_pct_second_half=round(_gap(fp8["losses"], bf16["losses"]), 3),
             )
+        )
+    gathered, plain = ok.get("fsdp-fp8gather"), ok.get("fsdp-fp8flow")
+    if gathered and plain:
+        step = {k: statistics.median(r["step_seconds"][3:]) * 1e3 for k, r in (("fp8", gathered), ("bf16", plain))}
+        same = gathered["losses"] == plain["losses"]
+        notes.append(
+            f"FSDP2 with fsdp_fp8_all_gather (expert weights gathered as FP8 tiles): losses "
+            f"{'bit-identical to' if same else 'DIFFER from'} the BF16-gather FP8-Flow run; median step "
+            f"{step['fp8']:.2f} ms vs {step['bf16']:.2f} ms; peak {gathered['peak_mem_gib']:.2f} vs "
+            f"{plain['peak_mem_gib']:.2f} GiB (debug model: a functional check, its weights are tiny)."
         )
     full, resumed = ok.get("ep-fp8flow"), ok.get("resume-fp8flow")
     if full and resumed:
