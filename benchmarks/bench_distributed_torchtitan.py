@@ -1,21 +1,25 @@
-"""torchtitan on 2 GPUs: FSDP2, expert parallelism (FP8 dispatch), compile, recompute and DCP, BF16 vs FP8-Flow.
+"""torchtitan on several GPUs: FSDP2, expert parallelism (FP8 dispatch), compile, recompute and DCP, BF16 vs FP8-Flow.
 
-Each run is one ``torchrun --nproc_per_node 2`` launch of torchtitan's ``Trainer`` on the DeepSeek-V3
-debug TOML with the recipe's flags (``benchmarks/_torchtitan.py``: BF16, or the ``fp8flow`` converter),
-recording every step's loss (the exact float), step times and peak memory (``RunRecord``). Runs (``--runs``; ``bash .ci/gpu OUT multigpu`` runs them):
+Each run is one ``torchrun --nproc_per_node G`` launch (``--gpus G``, default every visible GPU) of
+torchtitan's ``Trainer`` on the DeepSeek-V3 debug TOML with the recipe's flags
+(``benchmarks/_torchtitan.py``: BF16, or the ``fp8flow`` converter), recording every step's loss (the
+exact float), step times and peak memory (``RunRecord``). FSDP spans all G GPUs; with EP the experts
+are split over all G (torchtitan's EP borrows the FSDP ranks: EP=G x FSDP=G for the rest). Groups
+(``--runs``; ``bash .ci/gpu OUT multigpu`` runs them):
 
-* ``fsdp`` / ``ep``: 50 steps of the debug model, ``data_parallel_shard_degree 2`` without / with
-  ``expert_parallel_degree 2`` (EP borrows the FSDP ranks, so ``ep`` is EP=2 x FSDP=2); deterministic
-  kernels; ``ep`` saves a DCP checkpoint at step 25. Goal: FP8-Flow's losses within 0.5% of BF16's.
-  ``fsdp`` also runs FP8-Flow with ``fp8flow.fsdp_fp8_all_gather`` (expert weights gathered as FP8
-  tiles): its losses must equal the BF16-gather run's bit for bit.
-* ``resume``: FP8-Flow EP=2 restarted from the ``ep`` run's step-25 checkpoint: steps 26-50 must
+* ``fsdp`` / ``ep``: 50 steps of the debug model without / with ``expert_parallel_degree G``;
+  deterministic kernels; ``ep`` saves a DCP checkpoint at step 25. Goal: FP8-Flow's losses within
+  0.5% of BF16's. ``fsdp`` also runs FP8-Flow with ``fp8flow.fsdp_fp8_all_gather`` (expert weights
+  gathered as FP8 tiles): its losses must equal the BF16-gather run's bit for bit.
+* ``resume``: FP8-Flow EP restarted from the ``ep`` run's step-25 checkpoint: steps 26-50 must
   reproduce the uninterrupted run's losses bit for bit.
 * ``cross``: the BF16 step-25 checkpoint loaded (model only, same keys) into an FP8-Flow run, and the
   FP8-Flow one into a BF16 run.
-* ``compile``: EP=2 with ``compile.enable`` and ``fp8flow.recompute_experts`` (against BF16 EP=2 with compile).
-* ``perf``: the ``fp8flow_gpu`` flavor (0.57 B parameters), EP=2 x FSDP=2 with compile: tokens/s and
-  peak memory, BF16 vs FP8-Flow.
+* ``compile``: EP with ``compile.enable`` and ``fp8flow.recompute_experts`` (against BF16 EP with compile).
+* ``perf``: the ``fp8flow_gpu`` flavor (0.57 B parameters), EP x FSDP with compile: tokens/s per GPU
+  and peak memory, BF16 vs FP8-Flow.
+* ``scale`` (not in the default set): the ``fp8flow_dsv3_experts`` flavor (DeepSeek-V3's D=7168,
+  256 experts top-8, H=2048) with compile for ``--scale-steps`` steps: the scale-out run for 4-8 GPUs.
 
 Results: ``benchmarks/results/<--name>.{json,md}`` (default ``distributed_torchtitan``) and every
 run's record (losses, step times, peak memory) in ``<--name>_runs.json``. A device command runs at
@@ -25,6 +29,7 @@ most 10 minutes, so split the groups over invocations with different ``--name`` 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -32,6 +37,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,11 +47,9 @@ from _torchtitan import BASE_TOML, common_args, recipe_args
 
 HERE = Path(__file__).resolve().parent
 RECIPES = ("bf16", "fp8flow")
-FSDP = ["--parallelism.data_parallel_shard_degree", "2"]
-EP = [*FSDP, "--parallelism.expert_parallel_degree", "2"]
 DETERMINISTIC = ["--debug.deterministic", "--debug.deterministic_warn_only"]
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "25", "--checkpoint.folder", "checkpoint"]
-RUN_GROUPS = ("fsdp", "ep", "resume", "cross", "compile", "perf")
+RUN_GROUPS = ("fsdp", "ep", "resume", "cross", "compile", "perf", "scale")
 
 
 def worker(out: Path, recipe: str, args: list[str]) -> None:
@@ -62,83 +67,107 @@ def worker(out: Path, recipe: str, args: list[str]) -> None:
         out.write_text(json.dumps(record.to_json()))
 
 
-def launch(name: str, recipe: str, args: list[str], work: Path, records: dict) -> dict:
-    """One torchrun launch of :func:`worker`; its record (or failure) goes into ``records[name]``."""
-    out = work / f"{name}.json"
+@dataclass(frozen=True)
+class RunSpec:
+    """One planned torchrun launch: ``prepare`` (e.g. place a checkpoint) runs first; skipped if ``needs`` failed."""
+
+    name: str
+    recipe: str
+    args: tuple[str, ...]
+    prepare: Callable[[], object] | None = None
+    needs: str | None = None
+
+
+def parallelism(gpus: int, ep: bool) -> list[str]:
+    """FSDP over all ``gpus`` (and, with ``ep``, experts split over all of them: EP borrows the FSDP ranks)."""
+    flags = ["--parallelism.data_parallel_shard_degree", str(gpus)]
+    return flags + (["--parallelism.expert_parallel_degree", str(gpus)] if ep else [])
+
+
+def plan_runs(groups: list[str], gpus: int, work: Path, scale_steps: int = 100) -> list[RunSpec]:
+    """The launches of ``groups`` on ``gpus`` GPUs, in order (see the module docstring)."""
+    unknown = sorted(set(groups) - set(RUN_GROUPS))
+    if unknown:
+        raise ValueError(f"unknown run groups {unknown}; choose from {RUN_GROUPS}")
+    if gpus < 2:
+        raise ValueError(f"--gpus must be >= 2 (one process per GPU), got {gpus}")
+    fsdp, ep = parallelism(gpus, ep=False), parallelism(gpus, ep=True)
+    debug = ["--training.steps", "50"]
+
+    def dump(name: str) -> list[str]:
+        return ["--job.dump_folder", str(work / name)]
+
+    runs: list[RunSpec] = []
+    if "fsdp" in groups:
+        runs += [RunSpec(f"fsdp-{r}", r, (*debug, *fsdp, *DETERMINISTIC, *dump(f"fsdp-{r}"))) for r in RECIPES]
+        gather = (*debug, *fsdp, *DETERMINISTIC, "--fp8flow.fsdp_fp8_all_gather", *dump("fsdp-fp8gather"))
+        runs.append(RunSpec("fsdp-fp8gather", "fp8flow", gather))
+    if {"ep", "resume", "cross"} & set(groups):
+        runs += [RunSpec(f"ep-{r}", r, (*debug, *ep, *DETERMINISTIC, *CHECKPOINT, *dump(f"ep-{r}"))) for r in RECIPES]
+    if "resume" in groups:
+        place = functools.partial(copy_step, work / "ep-fp8flow", 25, work / "resume-fp8flow")
+        resume = (*debug, *ep, *DETERMINISTIC, *CHECKPOINT, *dump("resume-fp8flow"))
+        runs.append(RunSpec("resume-fp8flow", "fp8flow", resume, prepare=place, needs="ep-fp8flow"))
+    if "cross" in groups:
+        for src, dst in (("bf16", "fp8flow"), ("fp8flow", "bf16")):
+            load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(work / f"ep-{src}/checkpoint/step-25")]
+            args = ("--training.steps", "5", *ep, *load, *dump(f"cross-{src}"))
+            runs.append(RunSpec(f"cross-{src}-to-{dst}", dst, args, needs=f"ep-{src}"))
+    if "compile" in groups:
+        for r in RECIPES:
+            extra = ["--fp8flow.recompute_experts"] if r == "fp8flow" else []
+            runs.append(RunSpec(f"compile-{r}", r, (*debug, *ep, "--compile.enable", *extra, *dump(f"compile-{r}"))))
+    if "perf" in groups:
+        perf = ("--model.flavor", "fp8flow_gpu", "--training.steps", "30", *ep, "--compile.enable")
+        runs += [RunSpec(f"perf-{r}", r, (*perf, *dump(f"perf-{r}"))) for r in RECIPES]
+    if "scale" in groups:
+        scale = (
+            "--model.flavor",
+            "fp8flow_dsv3_experts",
+            "--training.steps",
+            str(scale_steps),
+            *ep,
+            "--compile.enable",
+        )
+        runs += [RunSpec(f"scale-{r}", r, (*scale, *dump(f"scale-{r}"))) for r in RECIPES]
+    return runs
+
+
+def launch(spec: RunSpec, gpus: int, work: Path, records: dict) -> dict:
+    """One torchrun launch of :func:`worker`; its record (or failure) goes into ``records[spec.name]``."""
+    out = work / f"{spec.name}.json"
     # A fresh port per launch: the previous run's rendezvous port may still be in TIME_WAIT.
     port = str(29531 + len(records))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
-    cmd += [str(Path(__file__)), "--worker", str(out), "--recipe", recipe, "--", *args]
-    print(f"=== {name}: {' '.join(args)}", flush=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "--master_port", port]
+    cmd += [str(Path(__file__)), "--worker", str(out), "--recipe", spec.recipe, "--", *spec.args]
+    print(f"=== {spec.name}: {' '.join(spec.args)}", flush=True)
     proc = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True)
+    base = {"args": list(spec.args), "recipe": spec.recipe, "gpus": gpus}
     if proc.returncode != 0 or not out.exists():
         print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n", flush=True)
-        records[name] = {"failed": True, "returncode": proc.returncode, "args": args, "recipe": recipe}
+        records[spec.name] = {"failed": True, "returncode": proc.returncode} | base
     else:
-        records[name] = json.loads(out.read_text()) | {"args": args, "recipe": recipe}
-        print(f"    losses {records[name]['losses'][:2]} ... {records[name]['losses'][-2:]}", flush=True)
-    return records[name]
+        records[spec.name] = json.loads(out.read_text()) | base
+        print(f"    losses {records[spec.name]['losses'][:2]} ... {records[spec.name]['losses'][-2:]}", flush=True)
+    return records[spec.name]
 
 
 def copy_step(src_dump: Path, step: int, dst_dump: Path) -> Path:
     """Put only ``step``'s DCP checkpoint of one run into a fresh dump folder (so a run resumes there)."""
     src = src_dump / "checkpoint" / f"step-{step}"
-    dst = dst_dump / "checkpoint" / f"step-{step}"
-    shutil.copytree(src, dst)
+    shutil.copytree(src, dst_dump / "checkpoint" / f"step-{step}")
     return src
 
 
-def run_groups(groups: list[str], work: Path) -> dict:
+def run_plan(runs: list[RunSpec], gpus: int, work: Path) -> dict:
     records: dict = {}
-    dump = {name: work / name for name in ("ep-bf16", "ep-fp8flow")}
-    debug = ["--training.steps", "50"]
-    if "fsdp" in groups:
-        for recipe in RECIPES:
-            launch(
-                f"fsdp-{recipe}",
-                recipe,
-                [*debug, *FSDP, *DETERMINISTIC, "--job.dump_folder", str(work / f"fsdp-{recipe}")],
-                work,
-                records,
-            )
-        fp8_gather = [*debug, *FSDP, *DETERMINISTIC, "--fp8flow.fsdp_fp8_all_gather"]
-        launch(
-            "fsdp-fp8gather", "fp8flow", [*fp8_gather, "--job.dump_folder", str(work / "fsdp-fp8gather")], work, records
-        )
-    if {"ep", "resume", "cross"} & set(groups):
-        for recipe in RECIPES:
-            args = [*debug, *EP, *DETERMINISTIC, *CHECKPOINT, "--job.dump_folder", str(dump[f"ep-{recipe}"])]
-            launch(f"ep-{recipe}", recipe, args, work, records)
-    if "resume" in groups and not records["ep-fp8flow"].get("failed"):
-        resumed = work / "ep-fp8flow-resumed"
-        copy_step(dump["ep-fp8flow"], 25, resumed)
-        launch(
-            "resume-fp8flow",
-            "fp8flow",
-            [*debug, *EP, *DETERMINISTIC, *CHECKPOINT, "--job.dump_folder", str(resumed)],
-            work,
-            records,
-        )
-    if "cross" in groups:
-        for src, recipe in (("bf16", "fp8flow"), ("fp8flow", "bf16")):
-            load = dump[f"ep-{src}"] / "checkpoint" / "step-25"
-            args = ["--training.steps", "5", *EP, "--checkpoint.enable", "--checkpoint.initial_load_path", str(load)]
-            launch(
-                f"cross-{src}-to-{recipe}",
-                recipe,
-                [*args, "--job.dump_folder", str(work / f"cross-{src}")],
-                work,
-                records,
-            )
-    if "compile" in groups:
-        for recipe in RECIPES:
-            extra = ["--fp8flow.recompute_experts"] if recipe == "fp8flow" else []
-            args = [*debug, *EP, "--compile.enable", *extra, "--job.dump_folder", str(work / f"compile-{recipe}")]
-            launch(f"compile-{recipe}", recipe, args, work, records)
-    if "perf" in groups:
-        for recipe in RECIPES:
-            args = ["--model.flavor", "fp8flow_gpu", "--training.steps", "30", *EP, "--compile.enable"]
-            launch(f"perf-{recipe}", recipe, [*args, "--job.dump_folder", str(work / f"perf-{recipe}")], work, records)
+    for spec in runs:
+        if spec.needs is not None and records.get(spec.needs, {}).get("failed", spec.needs not in records):
+            records[spec.name] = {"failed": True, "returncode": None, "skipped_because": f"{spec.needs} failed"}
+            continue
+        if spec.prepare is not None:
+            spec.prepare()
+        launch(spec, gpus, work, records)
     return records
 
 
@@ -153,11 +182,11 @@ def report(records: dict, name: str) -> None:
     ok = {k: v for k, v in records.items() if not v.get("failed")}
     for run in sorted(k for k in records if records[k].get("failed")):
         notes.append(f"FAILED run {run} (exit {records[run]['returncode']}).")
-    for mode in ("fsdp", "ep", "compile", "perf"):
+    for mode in ("fsdp", "ep", "compile", "perf", "scale"):
         bf16, fp8 = ok.get(f"{mode}-bf16"), ok.get(f"{mode}-fp8flow")
         if not (bf16 and fp8):
             continue
-        warm = 5 if mode == "perf" else 3
+        warm = 5 if mode in ("perf", "scale") else 3
         step_us = {k: statistics.median(r["step_seconds"][warm:]) * 1e6 for k, r in (("bf16", bf16), ("fp8", fp8))}
         tokens = fp8["tokens_per_step"]
         rows.append(
@@ -205,21 +234,29 @@ def report(records: dict, name: str) -> None:
     write_results(name, rows, "\n\n".join(notes))
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", nargs="+", choices=RUN_GROUPS, default=list(RUN_GROUPS))
+    parser.add_argument("--runs", nargs="+", choices=RUN_GROUPS, default=[g for g in RUN_GROUPS if g != "scale"])
+    parser.add_argument("--gpus", type=int, default=None, help="processes/GPUs per run (default: every visible GPU)")
+    parser.add_argument("--scale-steps", type=int, default=100, help="steps of the scale group's runs")
+    parser.add_argument("--name", default="distributed_torchtitan", help="result file name (without suffix)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--recipe", choices=RECIPES, help=argparse.SUPPRESS)
-    parser.add_argument("--name", default="distributed_torchtitan", help="result file name (without suffix)")
     parser.add_argument("torchtitan_args", nargs="*")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.worker:
         return worker(args.worker, args.recipe, args.torchtitan_args)
-    if torch.cuda.device_count() < 2:
-        print("bench_distributed_torchtitan: needs 2 GPUs; skipped")
+    visible = torch.cuda.device_count()
+    gpus = args.gpus or visible
+    if visible < 2 or gpus > visible:
+        print(f"bench_distributed_torchtitan: needs >= 2 GPUs and --gpus <= {visible} visible; skipped")
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        records = run_groups(args.runs, Path(tmp))
+        records = run_plan(plan_runs(args.runs, gpus, Path(tmp), args.scale_steps), gpus, Path(tmp))
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / f"{args.name}_runs.json").write_text(json.dumps(records))
     report(records, args.name)

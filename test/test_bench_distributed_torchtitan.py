@@ -1,0 +1,61 @@
+"""Argument handling and run plans of benchmarks/bench_distributed_torchtitan.py (the multi-GPU runner), on the CPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_distributed_torchtitan as bench  # noqa: E402
+
+
+def _flag(args: tuple[str, ...], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+@pytest.mark.parametrize("gpus", [2, 4, 8])
+def test_plan_uses_every_gpu_for_fsdp_and_ep(tmp_path, gpus):
+    runs = bench.plan_runs(list(bench.RUN_GROUPS), gpus, tmp_path)
+    names = [r.name for r in runs]
+    assert len(names) == len(set(names)), "run names must be unique (they name the records)"
+    for run in runs:
+        assert _flag(run.args, "--parallelism.data_parallel_shard_degree") == str(gpus)
+        ep = _flag(run.args, "--parallelism.expert_parallel_degree")
+        assert ep == (None if run.name.startswith("fsdp") else str(gpus)), run.name
+        assert _flag(run.args, "--job.dump_folder").startswith(str(tmp_path))
+    scale = [r for r in runs if r.name.startswith("scale")]
+    assert {r.recipe for r in scale} == {"bf16", "fp8flow"}
+    assert all(_flag(r.args, "--model.flavor") == "fp8flow_dsv3_experts" for r in scale)
+    resume = next(r for r in runs if r.name == "resume-fp8flow")
+    assert resume.needs == "ep-fp8flow" and names.index("ep-fp8flow") < names.index("resume-fp8flow")
+
+
+def test_plan_refuses_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="--gpus must be >= 2"):
+        bench.plan_runs(["ep"], 1, tmp_path)
+    with pytest.raises(ValueError, match="unknown run groups"):
+        bench.plan_runs(["ep", "warp"], 2, tmp_path)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--runs", "warp"])
+    args = bench.parse_args(["--runs", "scale", "--gpus", "8", "--scale-steps", "100"])
+    assert (args.runs, args.gpus, args.scale_steps) == (["scale"], 8, 100)
+    assert "scale" not in bench.parse_args([]).runs, "the scale-out run is asked for explicitly"
+
+
+def test_skipped_dependency_is_recorded_not_launched(tmp_path, monkeypatch):
+    launched = []
+    monkeypatch.setattr(bench, "launch", lambda spec, gpus, work, records: launched.append(spec.name))
+    runs = [bench.RunSpec("resume-fp8flow", "fp8flow", (), needs="ep-fp8flow")]
+    records = bench.run_plan(runs, 2, tmp_path)
+    assert launched == [] and records["resume-fp8flow"]["failed"]
+
+
+def test_scale_flavor_has_deepseek_v3_expert_dims():
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    import fp8flow_ao.torchtitan  # noqa: F401  (registers the flavors)
+
+    args = deepseekv3_args["fp8flow_dsv3_experts"]
+    assert (args.dim, args.moe_inter_dim, args.moe_args.num_experts, args.moe_args.top_k) == (7168, 2048, 256, 8)
