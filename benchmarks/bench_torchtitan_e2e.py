@@ -43,6 +43,15 @@ def add_flavor() -> None:
     deepseekv3_args.setdefault("fp8flow_gpu", model_args(PRESETS["gpu"], torch.device("cuda")))
 
 
+def init_one_process(port: str) -> None:
+    """torchtitan's logger and the environment of a one-process (one-GPU) group on ``port``."""
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", port)
+
+
 def train(config_file: Path, args: list[str]) -> dict[str, float | list[float]]:
     """Run torchtitan's Trainer on ``config_file`` + ``args``; time each step (synchronized)."""
     from torchtitan.config import ConfigManager
@@ -90,11 +99,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_torchtitan_e2e: no CUDA device, nothing to measure.")
         return
-    from torchtitan.tools.logging import init_logger
-
-    init_logger()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    init_one_process("29517")
     add_flavor()
     rows = []
     with tempfile.TemporaryDirectory() as dump:
