@@ -1,10 +1,11 @@
 """One MoE expert block, forward + backward, side by side under torch.compile (issue 4's benchmark).
 
-Cases (PERF.md): DeepSeek-V3-like T=4096 tokens, D=7168, H=2048, E=32, top-8 and Qwen3-30B-A3B-like
-T=8192, D=2048, H=768, E=128, top-8; each with forced balanced routing (round robin, as torchtitan's
+Cases (PERF.md): DeepSeek-V3-like T=4096 tokens, D=7168, H=2048, E=32, top-8, Qwen3-30B-A3B-like
+T=8192, D=2048, H=768, E=128, top-8 and Llama 4 Scout-like T=16384, D=5120, H=8192, E=16, top-1
+(``score_before_experts=True``); each with forced balanced routing (round robin, as torchtitan's
 ``moe_force_load_balance``) and skewed routing (Zipf-like expert loads, some experts empty). The
 layer is torchtitan 0.2.2's ``MoE`` with routed experts only (no shared expert), bf16 parameters,
-``score_before_experts=False``; the router's gate still runs, only its top-k choice is replaced.
+the shape's ``score_before_experts``; the router's gate still runs, only its top-k choice is replaced.
 
 Variants, each ``torch.compile``-d (default mode, graph breaks allowed so every baseline runs):
 * ``bf16``: the unconverted torchtitan layer (``torch._grouped_mm``);
@@ -62,9 +63,9 @@ import torch
 from _bench import bench_us, n_rotations, row, skewed_counts, write_results
 from torch import nn
 
-from fp8flow_ao.shapes import DEEPSEEK_V3, QWEN3_30B_A3B, MoEShape
+from fp8flow_ao.shapes import DEEPSEEK_V3, LLAMA4_SCOUT, QWEN3_30B_A3B, MoEShape
 
-CASES = {"deepseek": (DEEPSEEK_V3, 4096), "qwen": (QWEN3_30B_A3B, 8192)}
+CASES = {"deepseek": (DEEPSEEK_V3, 4096), "qwen": (QWEN3_30B_A3B, 8192), "llama4": (LLAMA4_SCOUT, 16384)}
 ROUTINGS = ("balanced", "skewed")
 VARIANTS = ("bf16", "fp8flow", "fp8flow_recompute", "fp8flow_wt_forward", "torchao_rowwise", "torchao_blockwise")
 OURS = ("fp8flow", "fp8flow_recompute", "fp8flow_wt_forward")
@@ -132,7 +133,7 @@ def build_bf16(shape: MoEShape) -> Block:
 
     args = MoEArgs(
         num_experts=shape.experts, num_shared_experts=0, top_k=shape.top_k, score_func="softmax",
-        route_norm=True, score_before_experts=False, load_balance_coeff=None, use_grouped_mm=True,
+        route_norm=True, score_before_experts=shape.score_before_experts, load_balance_coeff=None, use_grouped_mm=True,
     )  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import nn
 from torchao.core.config import AOBaseConfig
 from torchao.quantization import quant_api
@@ -147,16 +148,47 @@ def _convert_layer(module: nn.Module, config: FP8FlowConfig, fqn: str) -> None:
     wrap_expert_weights(module.experts, recipe="rowwise")
 
 
+def _unsupported_moe_layer(module: nn.Module) -> str | None:
+    """What a module with ``.router`` and ``.experts`` that is not a supported MoE layer lacks (None: not MoE-like)."""
+    experts = getattr(module, "experts", None)
+    if not isinstance(getattr(module, "router", None), nn.Module) or not isinstance(experts, nn.Module):
+        return None
+    if is_moe_layer(module):
+        return None
+    kind = type(experts).__name__
+    w1 = getattr(experts, "mlp1_weight", None)
+    if isinstance(w1, torch.Tensor) and w1.dim() == 3:  # torchtitan's gpt-oss (GptOssGroupedExperts)
+        _, two_h, d = w1.shape
+        missing = [
+            "biases on both expert projections (mlp1_bias, mlp2_bias)",
+            f"the interleaved clamped SwiGLU (gate and up interleaved in mlp1's {two_h} rows, clamped at "
+            f"swiglu_limit={getattr(experts, 'swiglu_limit', '?')}, silu with alpha 1.702, up + 1)",
+        ]
+        if d % 128 or (two_h // 2) % 128:
+            missing.append(f"D and H multiples of 128 (1x128 / 128x128 blocks; D={d}, H={two_h // 2})")
+        return f"gpt-oss experts ({kind}) need what FP8-Flow does not implement yet: " + "; ".join(missing)
+    names = sorted(n for n, _ in experts.named_parameters(recurse=False))
+    return f".experts ({kind}) has no 3-D w1, w2, w3 (torchtitan GroupedExperts) but parameters {names}"
+
+
 def convert_to_fp8flow(model: nn.Module, config: FP8FlowConfig | None = None) -> nn.Module:
     """Convert every MoE layer of ``model`` (``model`` itself included) that ``config.module_filter`` accepts.
 
     In place; returns ``model``. Raises ``ValueError`` when no MoE layer is found (or none passes
-    the filter), when a layer is already converted, when ``score_before_experts=True``, or when
-    ``D`` or ``H`` is not a multiple of 128.
+    the filter; MoE-like layers FP8-Flow cannot run, such as gpt-oss's, are named with what they
+    need), when a layer is already converted, or when ``D`` or ``H`` is not a multiple of 128.
     """
     config = config or FP8FlowConfig()
     layers = [(fqn, m) for fqn, m in model.named_modules() if is_moe_layer(m)]
     chosen = [(fqn, m) for fqn, m in layers if config.module_filter is None or config.module_filter(m, fqn)]
+    if not layers:
+        unsupported = [(fqn, why) for fqn, m in model.named_modules() if (why := _unsupported_moe_layer(m))]
+        if unsupported:
+            fqn, why = unsupported[0]
+            raise ValueError(
+                f"FP8FlowConfig found {len(unsupported)} MoE layer(s) in {type(model).__name__} it cannot "
+                f"convert; the first, {fqn!r}: {why}"
+            )
     if not chosen:
         found = f"{len(layers)} MoE layer(s), none accepted by module_filter" if layers else "no MoE layer"
         raise ValueError(

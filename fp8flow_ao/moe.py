@@ -11,8 +11,10 @@ backward; every other FP8 tensor comes out of a fused kernel)::
               dh, grad of the permuted probs) -> FC1 dgrad (exact FP8 W13^T) + FC1 wgrad
               (scaling-aware transpose of x8) -> unpermute_unpad (sum over top-k) -> dx
 
-The router probability multiplies inside SwiGLU, so the combine is an unweighted sum: the same
-function as torchtitan's ``score_before_experts=False``.
+The router probability multiplies inside SwiGLU, so the combine is an unweighted sum: on SwiGLU's
+output for torchtitan's ``score_before_experts=False``, on its inputs (FC1's output rows: FC1 is
+linear, so ``expert(p * x)`` needs only ``p * h``) for ``score_before_experts=True`` (Llama 4), so
+``x`` is still quantized once, unscaled, before dispatch.
 
 Saved for backward: ``x8`` + scales ``[T, D]`` (FP8, never BF16; re-permuted in backward, k times
 smaller than the permuted rows), the permuted probs, the routing maps and offsets, references to
@@ -65,10 +67,11 @@ def _fc1_swiglu(
     w13_scale: torch.Tensor,
     probs: torch.Tensor,
     offs: torch.Tensor,
+    score_before: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FC1 + SwiGLU(x prob) + quant: ``h`` BF16 ``[M, 2H]`` and ``a8`` + scales ``[M, H]`` (forward and recompute)."""
     h = grouped_gemm_fp8_blockwise(xp, xp_scale, w13, w13_scale, offs, out_dtype=torch.bfloat16)
-    a_data, a_scale = swiglu_quant(h, probs, offs)
+    a_data, a_scale = swiglu_quant(h, probs, offs, score_before)
     return h, a_data, a_scale
 
 
@@ -76,7 +79,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
     """Routed experts of one MoE layer, top-k combine included: ``[T, D]`` tokens -> ``[T, D]`` output."""
 
     @staticmethod
-    def forward(ctx, x, probs, expert_indices, w1, w2, w3, recompute, weight_cache, ep_group):
+    def forward(ctx, x, probs, expert_indices, w1, w2, w3, recompute, weight_cache, ep_group, score_before):
         num_experts, top_k = w1.shape[0], expert_indices.shape[1]  # local experts under EP
         # Cast 1 of 2: x [T, D] -> 1x128 FP8 row-wise, before dispatch; everything after stays FP8.
         x_data, x_scale = quantize_1x128(x)
@@ -93,7 +96,9 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # Weights: 128x128 tiles; with weight_cache "forward"/"step" also the dgrads' exact transposes,
         # kept for backward (memory for speed: weight_cache.py).
         qw = weights_for_forward(w1, w2, w3, weight_cache)
-        h, a_data, a_scale = _fc1_swiglu(routed.data, routed.scale_inv, qw.w13, qw.w13_scale, routed.probs, offs)
+        h, a_data, a_scale = _fc1_swiglu(
+            routed.data, routed.scale_inv, qw.w13, qw.w13_scale, routed.probs, offs, score_before
+        )
         y = grouped_gemm_fp8_blockwise(a_data, a_scale, qw.w2, qw.w2_scale, offs, out_dtype=torch.bfloat16)
         out = unpermute_unpad(y, routed.dst_rows, rows_k)
         if plan is not None:
@@ -106,6 +111,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             rows, rows_scale, routed.probs, routed.src_rows, routed.dst_rows, offs, w1, w2, w3, *kept, *fc1_saved
         )
         ctx.recompute, ctx.top_k, ctx.rows_k, ctx.plan = recompute, top_k, rows_k, plan
+        ctx.score_before = score_before
         ctx.dtypes = (x.dtype, probs.dtype, w1.dtype, w2.dtype, w3.dtype)
         # Return the op's result itself when the dtype already matches: a no-op ``.to`` would hand back an
         # alias of an intermediate, and torch 2.11's dynamo then routes the output's gradient to the
@@ -124,7 +130,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # forward, or quantized again from the same weights (the same bits).
         qw = weights_for_backward(kept, w1, w2, w3, ctx.recompute)
         if ctx.recompute:
-            h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw.w13, qw.w13_scale, probs_p, offs)
+            h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw.w13, qw.w13_scale, probs_p, offs, ctx.score_before)
         else:
             h, a_data, a_scale = fc1_saved
 
@@ -144,7 +150,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         grad_w2 = grouped_gemm_fp8_wgrad(dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype)
 
         # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
-        dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs)
+        dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs, ctx.score_before)
         # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
         grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, qw.w13_t, qw.w13_t_scale, offs, out_dtype=torch.bfloat16)
         # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8.
@@ -170,6 +176,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -183,11 +190,13 @@ def fp8flow_routed_experts(
     recompute_experts: bool = False,
     weight_cache: str = "off",
     ep_group: dist.ProcessGroup | None = None,
+    score_before_experts: bool = False,
 ) -> torch.Tensor:
     """FP8-Flow routed experts with the top-k combine: ``sum_j top_scores[t, j] * expert_j(x[t])``.
 
-    Equal in function to torchtitan's routed path with ``score_before_experts=False`` (the experts
-    ``w2 @ (silu(w1 x) * w3 x)``), computed on FP8 operands (see the module docstring).
+    Equal in function to torchtitan's routed path (the experts ``w2 @ (silu(w1 x) * w3 x)``),
+    computed on FP8 operands (see the module docstring). With ``score_before_experts=True`` it is
+    ``sum_j expert_j(top_scores[t, j] * x[t])``, torchtitan's ``score_before_experts=True`` (Llama 4).
 
     Args:
         x: ``[T, D]`` bf16 (or fp32) tokens, row-major; ``D`` a multiple of 128.
@@ -206,6 +215,8 @@ def fp8flow_routed_experts(
             ``[0, E_local * group size)``, and the FP8 rows travel to the experts' ranks and back
             (:mod:`fp8flow_ao.parallel.expert_parallel`; one host sync per call for the split sizes).
             Every rank of the group must call this together.
+        score_before_experts: scale each expert's input by its score instead of its output
+            (applied to FC1's output rows inside the fused SwiGLU; ``x`` is quantized unscaled).
 
     Returns:
         ``[T, D]`` in ``x``'s dtype. Gradients flow to ``x``, ``top_scores``, ``w1``, ``w2``, ``w3``.
@@ -234,7 +245,16 @@ def fp8flow_routed_experts(
     check_same_device(x=x, top_scores=top_scores, selected_experts_indices=selected_experts_indices, w1=w1)
     check_weight_cache_mode(weight_cache)
     return _FP8FlowRoutedExperts.apply(
-        x, top_scores, selected_experts_indices, w1, w2, w3, bool(recompute_experts), weight_cache, ep_group
+        x,
+        top_scores,
+        selected_experts_indices,
+        w1,
+        w2,
+        w3,
+        bool(recompute_experts),
+        weight_cache,
+        ep_group,
+        bool(score_before_experts),
     )
 
 
@@ -259,6 +279,8 @@ class FP8FlowGroupedExperts:
     fp8flow_weight_cache: str = "off"
     # Set by fp8flow_ao.parallel.expert_parallel's apply (torchtitan's expert_parallel_degree > 1).
     fp8flow_ep_group: dist.ProcessGroup | None = None
+    # The MoE layer's score_before_experts (Llama 4: True), set by convert_moe_layer.
+    fp8flow_score_before_experts: bool = False
 
     def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
@@ -272,6 +294,7 @@ class FP8FlowGroupedExperts:
             recompute_experts=self.fp8flow_recompute_experts,
             weight_cache=self.fp8flow_weight_cache,
             ep_group=self.fp8flow_ep_group,
+            score_before_experts=self.fp8flow_score_before_experts,
         )
 
 
@@ -334,12 +357,6 @@ def check_moe_layer(module: nn.Module, fqn: str = "") -> None:
         raise ValueError(f"{where}: needs .router and .experts with 3-D w1, w2, w3 (torchtitan MoE / GroupedExperts)")
     if is_converted(module):
         raise ValueError(f"{where} is already converted to FP8-Flow; quantize_ must run once per model")
-    if getattr(module, "score_before_experts", False):
-        raise ValueError(
-            f"{where} has score_before_experts=True; FP8-Flow applies the router score inside SwiGLU, "
-            "which is torchtitan's score_before_experts=False (MoEArgs(score_before_experts=False), "
-            "as torchtitan's DeepSeek-V3 and Qwen3 configs use)"
-        )
     missing = [n for n in ("expert_bias", "tokens_per_expert", "shared_experts") if not hasattr(module, n)]
     if missing or not hasattr(module.router, "top_k"):
         raise ValueError(f"{where}: missing torchtitan MoE attributes {missing or ['router.top_k']}")
@@ -380,6 +397,7 @@ def convert_moe_layer(
     _swap_class(module.experts, FP8FlowGroupedExperts)
     module.experts.fp8flow_recompute_experts = bool(recompute_experts)
     module.experts.fp8flow_weight_cache = weight_cache
+    module.experts.fp8flow_score_before_experts = bool(getattr(module, "score_before_experts", False))
     if fsdp_fp8_all_gather:
         from fp8flow_ao.tensor import wrap_expert_weights
 

@@ -112,7 +112,6 @@ def test_module_filter_and_filter_fn():
     ("build", "match"),
     [
         (lambda: nn.Sequential(nn.Linear(256, 256)), "no MoE layer"),
-        (lambda: _Model(score_before_experts=True), "score_before_experts=True"),
         (lambda: _Model(hidden=192), "multiples of 128.*D=256, H=192"),
         (lambda: _Model(dim=320), "multiples of 128.*D=320"),
     ],
@@ -126,6 +125,37 @@ def test_unsupported_models_raise_and_stay_untouched(build, match):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="none accepted by module_filter"):
         convert_to_fp8flow(_Model(), FP8FlowConfig(module_filter=lambda m, fqn: False))
+
+
+def _gpt_oss(flavor: str) -> nn.Module:
+    """torchtitan 0.2.2's gpt-oss model of ``flavor`` with 2 layers, on the meta device (no memory)."""
+    import dataclasses
+
+    from torchtitan.models.gpt_oss import GptOssModel, gptoss_configs
+
+    with torch.device("meta"):
+        return GptOssModel(dataclasses.replace(gptoss_configs[flavor], n_layers=2))
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "20b"])
+def test_gpt_oss_is_refused_with_what_it_needs(flavor):
+    model = _gpt_oss(flavor)
+    with pytest.raises(ValueError, match="gpt-oss experts") as err:
+        quantize_(model, FP8FlowConfig())
+    message = str(err.value)
+    assert "'layers.0.moe'" in message and "2 MoE layer(s)" in message
+    assert "mlp1_bias, mlp2_bias" in message and "interleaved clamped SwiGLU" in message
+    assert "swiglu_limit=7.0" in message
+    # both flavors' expert H is 2880 (the debug flavor keeps the default moe_inter_dim); only 20b's D is
+    assert "H=2880" in message and ("D=2880" in message) == (flavor == "20b")
+    assert not any(isinstance(m, FP8FlowMoE) for m in model.modules())
+
+
+def test_score_before_experts_layers_are_converted():
+    """Llama 4's score placement (torchtitan's default MoEArgs) converts: the score goes into SwiGLU's inputs."""
+    model = _Model(score_before_experts=True)
+    quantize_(model, FP8FlowConfig())
+    assert all(block.moe.experts.fp8flow_score_before_experts for block in model.layers)
 
 
 def test_checkpoints_load_both_ways():

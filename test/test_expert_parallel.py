@@ -57,14 +57,14 @@ CASES = {
     "skewed_recompute": _routed_case(2, experts=8, top_k=3, route="skewed", recompute=True),
     "one_rank": _routed_case(3, experts=4, top_k=2, route="one_rank", recompute=False),
 }
-_LAYER_ROUTING = "skewed"
-_LAYER_MAKE = dict(zip(("experts", "top_k", "expert_bias"), ROUTINGS[_LAYER_ROUTING], strict=True))
 _g = torch.Generator().manual_seed(5)
-CASES["layer"] = {
-    "make": _LAYER_MAKE,
-    "x": torch.randn(WORLD * TOKENS_PER_RANK, DIM, generator=_g).to(torch.bfloat16),
-    "grad": torch.randn(WORLD * TOKENS_PER_RANK, DIM, generator=_g).to(torch.bfloat16),
-}
+# whole torchtitan layers: DeepSeek-V3 style (score after the experts) and Llama 4 style (top-1, score before)
+for _name, _routing in (("layer", "skewed"), ("layer_llama4", "llama4_skewed")):
+    CASES[_name] = {
+        "make": ROUTINGS[_routing],
+        "x": torch.randn(WORLD * TOKENS_PER_RANK, DIM, generator=_g).to(torch.bfloat16),
+        "grad": torch.randn(WORLD * TOKENS_PER_RANK, DIM, generator=_g).to(torch.bfloat16),
+    }
 
 
 # FSDP2 (data parallel, experts sharded on dim 0): the same two steps with the expert weights

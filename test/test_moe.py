@@ -1,7 +1,8 @@
 """The FP8-Flow MoE layer against torchtitan's BF16 MoE layer (same weights, same inputs).
 
 Numerics (SQNR vs the BF16 layer: output >= 25 dB, every gradient >= 22 dB) for balanced and skewed
-routing (empty experts included), recompute on and off; recompute on/off bit-identical; two runs
+routing (empty experts included), DeepSeek-V3 style (top-2, score after the experts) and Llama 4
+style (top-1, score before the experts), recompute on and off; recompute on/off bit-identical; two runs
 bit-identical; exactly 2 explicit BF16->FP8 casts per layer per step; what backward keeps;
 torch.compile(fullgraph=True); on a GPU the same with the Triton kernels and no device sync.
 """
@@ -23,11 +24,17 @@ moe_mod = pytest.importorskip("torchtitan.models.moe.moe")
 
 FP8 = torch.float8_e4m3fn
 PARAMS = ("experts.w1", "experts.w2", "experts.w3", "router.gate.weight")
-# (experts, top_k, expert_bias or None for torchtitan's forced round-robin balance)
+# expert 0 takes every token, experts 5..7 never win: skewed groups, three empty experts
+SKEWED_BIAS = [2.0, 0.3, 0.2, 0.1, 0.0, -5.0, -5.0, -5.0]
+# Llama 4's MoEArgs defaults (torchtitan 0.2.2): top-1, sigmoid scores without route norm (with it a
+# top-1 score would always be 1), the score multiplying the expert's input, one shared expert.
+LLAMA4 = {"top_k": 1, "route_norm": False, "score_before_experts": True}
+# make_moe arguments per routing; expert_bias None is torchtitan's forced round-robin balance
 ROUTINGS = {
-    "balanced": (4, 2, None),
-    # expert 0 takes every token, experts 5..7 never win: skewed groups, three empty experts
-    "skewed": (8, 2, [2.0, 0.3, 0.2, 0.1, 0.0, -5.0, -5.0, -5.0]),
+    "balanced": {"experts": 4, "top_k": 2, "expert_bias": None},
+    "skewed": {"experts": 8, "top_k": 2, "expert_bias": SKEWED_BIAS},
+    "llama4_balanced": {"experts": 4, "expert_bias": None, **LLAMA4},
+    "llama4_skewed": {"experts": 8, "expert_bias": SKEWED_BIAS, **LLAMA4},
 }
 
 
@@ -41,6 +48,7 @@ def make_moe(
     device: str = DEVICE,
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    route_norm: bool = True,
 ) -> torch.nn.Module:
     """A torchtitan 0.2.2 MoE layer (DeepSeek-V3 style: sigmoid router, route norm, one shared expert)."""
     args = moe_mod.MoEArgs(
@@ -48,7 +56,7 @@ def make_moe(
         num_shared_experts=1,
         top_k=top_k,
         score_func="sigmoid",
-        route_norm=True,
+        route_norm=route_norm,
         score_before_experts=score_before_experts,
         # the for-loop experts on the CPU (the grouped path pads through a Triton kernel)
         use_grouped_mm=device != "cpu",
@@ -86,8 +94,8 @@ def _inputs(dim: int, tokens: int, device: str = DEVICE, seed: int = 1) -> tuple
 def runs() -> dict:
     """Per routing: the BF16 reference and the FP8-Flow layer with recompute off and on (+ op counts)."""
     results = {}
-    for name, (experts, top_k, bias) in ROUTINGS.items():
-        ref = make_moe(experts=experts, top_k=top_k, expert_bias=bias)
+    for name, kwargs in ROUTINGS.items():
+        ref = make_moe(**kwargs)
         x, grad = _inputs(256, 128)
         results[name] = {"ref": run_step(ref, x, grad), "inputs": (x, grad), "model": ref}
         for recompute in (False, True):
@@ -117,11 +125,24 @@ def test_matches_bf16_layer(runs, routing, recompute):
                 assert sqnr_db(ref[name][e], ours[name][e]) >= 22, (name, e)
 
 
-def test_skewed_routing_has_empty_experts(runs):
-    """The skewed case really exercises empty experts and the load-balance bookkeeping."""
-    counts = runs["skewed"][False]["tokens_per_expert"]
-    assert torch.equal(counts, runs["skewed"]["model"].tokens_per_expert)
+@pytest.mark.parametrize("routing", ["skewed", "llama4_skewed"])
+def test_skewed_routing_has_empty_experts(runs, routing):
+    """The skewed cases really exercise empty experts and the load-balance bookkeeping."""
+    counts = runs[routing][False]["tokens_per_expert"]
+    assert torch.equal(counts, runs[routing]["model"].tokens_per_expert)
     assert counts[0] == 128 and bool((counts[5:] == 0).all())
+
+
+def test_llama4_layer_is_converted_with_its_score_placement(runs):
+    """Llama 4's layer keeps score_before_experts=True and its shared expert; FP8-Flow runs it."""
+    ref = runs["llama4_balanced"]["model"]
+    assert ref.score_before_experts and ref.router.top_k == 1 and ref.shared_experts is not None
+    moe = convert_moe_layer(copy.deepcopy(ref))
+    assert isinstance(moe, FP8FlowMoE) and moe.experts.fp8flow_score_before_experts
+    # the score's placement matters: the same layer run with the score after the experts is another function
+    moe.experts.fp8flow_score_before_experts = False
+    x, grad = runs["llama4_balanced"]["inputs"]
+    assert sqnr_db(runs["llama4_balanced"]["ref"]["out"], run_step(moe, x, grad)["out"]) < 20
 
 
 @pytest.mark.parametrize("routing", list(ROUTINGS))
@@ -138,10 +159,11 @@ def test_two_runs_are_bit_identical(runs):
         assert torch.equal(again[key], runs["balanced"][False][key]), key
 
 
+@pytest.mark.parametrize("routing", ["balanced", "llama4_balanced"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
-def test_two_activation_casts_per_step(runs, recompute):
+def test_two_activation_casts_per_step(runs, recompute, routing):
     """Forward x and backward dy are the only explicit BF16->FP8 casts; weights quantized once each."""
-    counts = runs["balanced"][recompute]["counts"]
+    counts = runs[routing][recompute]["counts"]
     assert counts["quantize_1x128"] == 2 and counts["quantize_dual_1x128"] == 0
     # W13 = [w1; w3] (one pass, one buffer) and w2 in forward; their exact transposes in backward
     assert counts["quantize_128x128"] == 4
@@ -176,8 +198,9 @@ def test_backward_keeps_fp8_not_bf16_activations(recompute):
         assert any(t.dtype == FP8 and t.dim() == 2 and t.shape[1] == hidden for t in saved)
 
 
+@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
-def test_routed_path_compiles_fullgraph_bit_exact(recompute):
+def test_routed_path_compiles_fullgraph_bit_exact(recompute, score_before):
     """Our routed path, forward and backward, traces as one graph and matches eager bit for bit.
 
     The routing is an input here: compiling the whole torchtitan layer also runs its router through
@@ -193,7 +216,8 @@ def test_routed_path_compiles_fullgraph_bit_exact(recompute):
 
     def step(fn):
         leaves = [t.detach().clone().requires_grad_() for t in (x, probs, weights[0], w2, weights[1])]
-        fn(leaves[0], leaves[1], ids, *leaves[2:], recompute_experts=recompute).backward(grad)
+        out = fn(leaves[0], leaves[1], ids, *leaves[2:], recompute_experts=recompute, score_before_experts=score_before)
+        out.backward(grad)
         return [t.grad for t in leaves]
 
     eager = step(fp8flow_routed_experts)
@@ -202,14 +226,15 @@ def test_routed_path_compiles_fullgraph_bit_exact(recompute):
         assert torch.equal(a, b), name
 
 
-def test_converted_layer_compiles_fullgraph(runs):
+@pytest.mark.parametrize("routing", ["balanced", "llama4_balanced"])
+def test_converted_layer_compiles_fullgraph(runs, routing):
     """The whole converted torchtitan layer, forward and backward, traces as one graph (no break)."""
-    x, grad = runs["balanced"]["inputs"]
-    moe = convert_moe_layer(copy.deepcopy(runs["balanced"]["model"]), recompute_experts=True)
+    x, grad = runs[routing]["inputs"]
+    moe = convert_moe_layer(copy.deepcopy(runs[routing]["model"]), recompute_experts=True)
     # aot_eager: dynamo with fullgraph=True and AOT autograd on fakes, without inductor's slow CPU codegen
     moe.compile(fullgraph=True, backend="aot_eager")
     compiled = run_step(moe, x, grad)
-    eager = runs["balanced"][True]
+    eager = runs[routing][True]
     assert torch.equal(compiled["out"], eager["out"])
     for key in ("x", *PARAMS):
         assert sqnr_db(eager[key], compiled[key]) >= 30, key
@@ -237,12 +262,12 @@ def test_routed_experts_bad_input(kwargs, error, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
-@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+@pytest.mark.parametrize("routing", ["balanced", "skewed", "llama4_skewed"])
 def test_gpu_kernels_match_bf16_layer_without_sync(routing, recompute):
     """Triton kernels at a moderate shape: numerics vs the BF16 layer, no device sync, deterministic, compiles."""
     dim, hidden, tokens = 1024, 512, 2048
-    experts, top_k, bias = (8, 4, None) if routing == "balanced" else (8, 2, ROUTINGS["skewed"][2])
-    ref = make_moe(dim, hidden, experts, top_k, bias, device="cuda")
+    kwargs = {"balanced": {"experts": 8, "top_k": 4, "expert_bias": None}}.get(routing, ROUTINGS[routing])
+    ref = make_moe(dim, hidden, **kwargs, device="cuda")
     x, grad = _inputs(dim, tokens, device="cuda")
     expected = run_step(ref, x, grad)
     moe = convert_moe_layer(copy.deepcopy(ref), recompute_experts=recompute)

@@ -41,6 +41,9 @@ GROUPS = {
     "one_expert_all_rows": (256, 128, [256]),
     "all_rows_past_end": (256, 128, [0, 0]),
 }
+# Where the router prob enters, as (with probs, score_before_experts): none, scaling SwiGLU's output
+# (torchtitan's score_before_experts=False) or its inputs (score_before_experts=True, Llama 4).
+PROB_MODES = {"no_probs": (False, False), "after": (True, False), "before": (True, True)}
 
 
 def _ends(counts: list[int] | None) -> torch.Tensor | None:
@@ -68,17 +71,17 @@ def _rows_past_end(m: int, ends: torch.Tensor | None) -> slice:
     return slice(m if ends is None else int(ends[-1]), m)
 
 
-def _assert_forward_matches(h, probs, ends) -> tuple[torch.Tensor, torch.Tensor]:
-    data, scale = launch_swiglu_quant(h, probs, ends)
-    ref_data, ref_scale = swiglu_quant_reference(h.cpu(), _cpu(probs), _cpu(ends))
+def _assert_forward_matches(h, probs, ends, before: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    data, scale = launch_swiglu_quant(h, probs, ends, before)
+    ref_data, ref_scale = swiglu_quant_reference(h.cpu(), _cpu(probs), _cpu(ends), before)
     assert_scales_equal(scale, ref_scale, "a_scale")
     assert_fp8_close(data, ref_data, MIN_EXACT, "a_data")
     return data, scale
 
 
-def _assert_backward_matches(grad_a, h, probs, ends) -> tuple[torch.Tensor, ...]:
-    out = launch_swiglu_quant_backward(grad_a, h, probs, ends)
-    ref = swiglu_quant_backward_reference(grad_a.cpu(), h.cpu(), _cpu(probs), _cpu(ends))
+def _assert_backward_matches(grad_a, h, probs, ends, before: bool = False) -> tuple[torch.Tensor, ...]:
+    out = launch_swiglu_quant_backward(grad_a, h, probs, ends, before)
+    ref = swiglu_quant_backward_reference(grad_a.cpu(), h.cpu(), _cpu(probs), _cpu(ends), before)
     for name, got, want in zip(("dh", "dh_scale", "dh_t", "dh_t_scale"), out[:4], ref[:4], strict=True):
         if name.endswith("scale"):
             assert_scales_equal(got, want, name)
@@ -106,23 +109,25 @@ def _assert_identical(actual: tuple, expected: tuple) -> None:
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
-@pytest.mark.parametrize("with_probs", [True, False])
-def test_forward_matches_reference(group, with_probs):
+@pytest.mark.parametrize("mode", list(PROB_MODES))
+def test_forward_matches_reference(group, mode):
     m, hidden, counts = GROUPS[group]
+    with_probs, before = PROB_MODES[mode]
     h, _, probs = _inputs(m, hidden, with_probs)
     ends = _ends(counts)
-    data, scale = _assert_forward_matches(h, probs, ends)
+    data, scale = _assert_forward_matches(h, probs, ends, before)
     past = _rows_past_end(m, ends)
     assert not bool(data[past].float().any()) and not bool(scale[past].any())
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
-@pytest.mark.parametrize("with_probs", [True, False])
-def test_backward_matches_reference(group, with_probs):
+@pytest.mark.parametrize("mode", list(PROB_MODES))
+def test_backward_matches_reference(group, mode):
     m, hidden, counts = GROUPS[group]
+    with_probs, before = PROB_MODES[mode]
     h, grad_a, probs = _inputs(m, hidden, with_probs)
     ends = _ends(counts)
-    dh, dh_scale, dh_t, dh_t_scale, grad_probs = _assert_backward_matches(grad_a, h, probs, ends)
+    dh, dh_scale, dh_t, dh_t_scale, grad_probs = _assert_backward_matches(grad_a, h, probs, ends, before)
     past = _rows_past_end(m, ends)
     assert not bool(dh[past].float().any()) and not bool(dh_scale[past].any())
     assert not bool(dh_t[:, past].float().any())
@@ -133,22 +138,24 @@ def test_backward_matches_reference(group, with_probs):
 
 
 @pytest.mark.gpu
-def test_realistic_size_on_gpu():
+@pytest.mark.parametrize("before", [False, True], ids=["after", "before"])
+def test_realistic_size_on_gpu(before):
     """Thousands of scale blocks per layout at a DeepSeek-like H, skewed groups: the bit-exact
     fraction holds at scale and the kernels' multi-tile loops and grids are exercised."""
     h, grad_a, probs = _inputs(4096, 2048)
     ends = _ends([1000, 0, 2500, 7, 0, 300])
-    _assert_forward_matches(h, probs, ends)
-    _assert_backward_matches(grad_a, h, probs, ends)
+    _assert_forward_matches(h, probs, ends, before)
+    _assert_backward_matches(grad_a, h, probs, ends, before)
 
 
-def test_rows_past_end_are_not_read():
+@pytest.mark.parametrize("before", [False, True], ids=["after", "before"])
+def test_rows_past_end_are_not_read(before):
     """NaN past the last group end must not leak into anything."""
     h, grad_a, probs = _inputs(256, 128)
     ends = torch.tensor([128], device=DEVICE, dtype=torch.int32)
     h[128:], grad_a[128:], probs[128:] = float("nan"), float("nan"), float("nan")
-    data, scale = _assert_forward_matches(h, probs, ends)
-    dh, dh_scale, dh_t, dh_t_scale, grad_probs = _assert_backward_matches(grad_a, h, probs, ends)
+    data, scale = _assert_forward_matches(h, probs, ends, before)
+    dh, dh_scale, dh_t, dh_t_scale, grad_probs = _assert_backward_matches(grad_a, h, probs, ends, before)
     for t in (data[128:], scale[128:], dh[128:], dh_scale[128:], dh_t[:, 128:], dh_t_scale[1:], grad_probs[128:]):
         assert not bool(t.float().isnan().any()) and not bool(t.float().any())
 
@@ -158,6 +165,10 @@ def test_probs_of_one_equal_no_probs():
     ones = torch.ones(128, device=DEVICE)
     _assert_identical(launch_swiglu_quant(h, ones), launch_swiglu_quant(h))
     _assert_identical(launch_swiglu_quant_backward(grad_a, h, ones)[:4], launch_swiglu_quant_backward(grad_a, h)[:4])
+    # with every prob 1, scaling SwiGLU's inputs and scaling its output are the same function
+    _assert_identical(launch_swiglu_quant(h, ones, None, True), launch_swiglu_quant(h))
+    before = launch_swiglu_quant_backward(grad_a, h, ones, None, True)
+    _assert_identical(before[:4], launch_swiglu_quant_backward(grad_a, h)[:4])
 
 
 def _dequantize_columns(data_t: torch.Tensor, scale_t: torch.Tensor) -> torch.Tensor:
@@ -173,26 +184,37 @@ def _assert_within_e4m3(deq: torch.Tensor, ref: torch.Tensor, scale_per_elem: to
     assert bool((excess <= 0).all()), f"{name}: worst excess {float(excess.max()):.3g}"
 
 
-def test_end_to_end_numerics_vs_fp64_autograd():
+@pytest.mark.parametrize("before", [False, True], ids=["after", "before"])
+def test_end_to_end_numerics_vs_fp64_autograd(before):
     m, hidden = 256, 256
     h, grad_a, probs = _inputs(m, hidden, spread=1.0)
     h64 = h.cpu().double().requires_grad_()
     p64 = probs.cpu().double().requires_grad_()
     g64, u64 = h64[:, :hidden], h64[:, hidden:]
-    a64 = torch.nn.functional.silu(g64) * u64 * p64[:, None]
+    if before:  # torchtitan's score_before_experts: the expert's input (so FC1's output) scaled by p
+        a64 = torch.nn.functional.silu(g64 * p64[:, None]) * (u64 * p64[:, None])
+    else:
+        a64 = torch.nn.functional.silu(g64) * u64 * p64[:, None]
     a64.backward(grad_a.cpu().double())
 
-    data, scale = launch_swiglu_quant(h, probs)
+    data, scale = launch_swiglu_quant(h, probs, None, before)
     deq_a = dequantize_rows_reference(data.cpu(), scale.cpu(), BLOCK)
     _assert_within_e4m3(deq_a, a64.detach(), scale.cpu().repeat_interleave(BLOCK, 1), "a")
 
-    dh, dh_scale, dh_t, dh_t_scale, grad_probs = launch_swiglu_quant_backward(grad_a, h, probs)
+    dh, dh_scale, dh_t, dh_t_scale, grad_probs = launch_swiglu_quant_backward(grad_a, h, probs, None, before)
     deq_rows = dequantize_rows_reference(dh.cpu(), dh_scale.cpu(), BLOCK)
     _assert_within_e4m3(deq_rows, h64.grad, dh_scale.cpu().repeat_interleave(BLOCK, 1), "dh row-wise")
     deq_cols = _dequantize_columns(dh_t.cpu(), dh_t_scale.cpu())
     _assert_within_e4m3(deq_cols, h64.grad, dh_t_scale.cpu().repeat_interleave(BLOCK, 0), "dh column-wise")
     # fp32 sums of H products against fp64: error relative to the sum of magnitudes, not the (cancelling) sum
-    terms = (grad_a.cpu().double() * torch.nn.functional.silu(g64.detach()) * u64.detach()).abs().sum(1)
+    ga64, g, u = grad_a.cpu().double(), g64.detach(), u64.detach()
+    if before:  # the kernels sum t_gate * g + t_up * u: bound by both products' magnitudes
+        p = p64.detach()[:, None]
+        s = torch.sigmoid(p * g)
+        terms = (ga64 * (u * p) * s * (1 + p * g * (1 - s)) * g).abs() + (ga64 * (p * g * s) * u).abs()
+    else:
+        terms = (ga64 * torch.nn.functional.silu(g) * u).abs()
+    terms = terms.sum(1)
     assert bool(((grad_probs.cpu().double() - p64.grad).abs() <= 1e-5 * terms).all())
 
 
@@ -255,27 +277,36 @@ def test_no_rows():
     assert [tuple(t.shape) for t in out] == [(0, 256), (0, 2), (256, 0), (0, 256), (0,)]
 
 
-@pytest.mark.parametrize("with_extras", [True, False])
-def test_public_ops_and_compile(with_extras):
+# (probs and offsets given, score_before_experts)
+EXTRAS = {"with_extras": (True, False), "score_before_experts": (True, True), "without_extras": (False, False)}
+
+
+@pytest.mark.parametrize("extras", list(EXTRAS))
+def test_public_ops_and_compile(extras):
+    with_extras, before = EXTRAS[extras]
     h, grad_a, probs = _inputs(256, 128, with_extras)
     ends = _ends([100, 0, 20]) if with_extras else None
-    eager = swiglu_quant(h, probs, ends)
-    _assert_identical(torch.compile(swiglu_quant, fullgraph=True)(h, probs, ends), eager)
-    eager_bwd = swiglu_quant_backward(grad_a, h, probs, ends)
+    eager = swiglu_quant(h, probs, ends, before)
+    _assert_identical(torch.compile(swiglu_quant, fullgraph=True)(h, probs, ends, before), eager)
+    eager_bwd = swiglu_quant_backward(grad_a, h, probs, ends, before)
     assert (eager_bwd[4] is None) == (not with_extras)
-    _assert_identical(torch.compile(swiglu_quant_backward, fullgraph=True)(grad_a, h, probs, ends), eager_bwd)
+    compiled_bwd = torch.compile(swiglu_quant_backward, fullgraph=True)(grad_a, h, probs, ends, before)
+    _assert_identical(compiled_bwd, eager_bwd)
     # the public ops agree with the references (on a GPU: the Triton kernels)
-    ref = swiglu_quant_reference(h.cpu(), _cpu(probs), _cpu(ends))
+    ref = swiglu_quant_reference(h.cpu(), _cpu(probs), _cpu(ends), before)
     assert_scales_equal(eager[1], ref[1])
     assert_fp8_close(eager[0], ref[0], MIN_EXACT)
+    ref_bwd = swiglu_quant_backward_reference(grad_a.cpu(), h.cpu(), _cpu(probs), _cpu(ends), before)
+    assert_fp8_close(eager_bwd[0], ref_bwd[0], MIN_EXACT)
 
 
-@pytest.mark.parametrize("with_extras", [True, False])
-def test_opcheck(with_extras):
+@pytest.mark.parametrize("extras", list(EXTRAS))
+def test_opcheck(extras):
+    with_extras, before = EXTRAS[extras]
     h, grad_a, probs = _inputs(256, 128, with_extras)
     ends = _ends([130, 0]) if with_extras else None
-    torch.library.opcheck(torch.ops.fp8flow.swiglu_quant.default, (h, probs, ends))
-    torch.library.opcheck(torch.ops.fp8flow.swiglu_quant_backward.default, (grad_a, h, probs, ends))
+    torch.library.opcheck(torch.ops.fp8flow.swiglu_quant.default, (h, probs, ends, before))
+    torch.library.opcheck(torch.ops.fp8flow.swiglu_quant_backward.default, (grad_a, h, probs, ends, before))
 
 
 def _bf16(*shape: int) -> torch.Tensor:
@@ -297,6 +328,8 @@ BAD_INPUTS = [
     ((_bf16(128, 256), None, _OK_ENDS.long()), TypeError, "group_end_offsets must have dtype"),
     ((_bf16(128, 256), None, _OK_ENDS[:0]), ValueError, "at least one group"),
     (([[1.0]], None, None), TypeError, "h must be a torch.Tensor"),
+    ((_bf16(128, 256), None, None, True), ValueError, "score_before_experts=True .* probs must be given"),
+    ((_bf16(128, 256), torch.ones(128), None, 1), TypeError, "score_before_experts must be a bool"),
 ]
 
 

@@ -2,7 +2,8 @@
 
 Everything runs on the CPU: torchtitan 0.2.2's trainer is made to run there by
 ``fp8flow_ao.torchtitan.cpu`` (it otherwise assumes CUDA), so the TOML configs in
-``torchtitan_configs/`` are trained for two steps, BF16 and FP8-Flow side by side.
+``torchtitan_configs/`` (DeepSeek-V3, Llama 4, Qwen3 MoE) are trained for two steps, BF16 and FP8-Flow
+side by side.
 """
 
 from __future__ import annotations
@@ -27,8 +28,24 @@ from fp8flow_ao.torchtitan.job_config import FP8Flow  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "torchtitan_configs"
-BF16_TOML = CONFIGS / "deepseek_v3_debug_bf16.toml"
-FP8FLOW_TOML = CONFIGS / "deepseek_v3_debug_fp8flow.toml"
+# The BF16 / FP8-Flow TOML pairs, by file-name prefix, with the flavor the CPU trainer test runs
+# (None: the TOML's own). Qwen3's debugmodel_moe has 64 experts top-8 in 8 layers, and the CPU path
+# of the FP8 grouped GEMM multiplies every row by every expert (no data-dependent shapes, no host
+# sync), so the test runs a 2-layer, 8-expert top-4 variant of it.
+FAMILIES = {"deepseek_v3_debug": None, "llama4_debug": None, "qwen3_moe_debug": "debugmodel_moe_cpu_test"}
+
+
+def pair(family: str) -> tuple[Path, Path]:
+    return CONFIGS / f"{family}_bf16.toml", CONFIGS / f"{family}_fp8flow.toml"
+
+
+def add_qwen3_cpu_flavor() -> None:
+    """Register ``debugmodel_moe_cpu_test`` in torchtitan's Qwen3 flavor table (see FAMILIES)."""
+    from torchtitan.models.qwen3 import qwen3_args
+
+    base = qwen3_args["debugmodel_moe"]
+    moe_args = dataclasses.replace(base.moe_args, num_experts=8, top_k=4)
+    qwen3_args.setdefault(FAMILIES["qwen3_moe_debug"], dataclasses.replace(base, n_layers=2, moe_args=moe_args))
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +174,10 @@ def test_converter_is_registered_once() -> None:
     assert model_converter._registry_model_converter_cls["fp8flow"] is FP8FlowConverter
 
 
-def test_job_config_sections_parse_and_configs_differ_only_in_fp8flow() -> None:
-    bf16, fp8 = parse("--job.config_file", str(BF16_TOML)), parse("--job.config_file", str(FP8FLOW_TOML))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_job_config_sections_parse_and_configs_differ_only_in_fp8flow(family: str) -> None:
+    bf16_toml, fp8_toml = pair(family)
+    bf16, fp8 = parse("--job.config_file", str(bf16_toml)), parse("--job.config_file", str(fp8_toml))
     assert bf16.model.converters == [] and fp8.model.converters == ["fp8flow"]
     assert fp8.fp8flow == FP8Flow() and bf16.fp8flow == FP8Flow()
     assert fp8.training.dataset == fp8tt.DATASET_NAME and fp8.experimental.custom_import == "fp8flow_ao.torchtitan"
@@ -173,7 +192,7 @@ def test_job_config_sections_parse_and_configs_differ_only_in_fp8flow() -> None:
     }
     cli = parse(
         "--job.config_file",
-        str(FP8FLOW_TOML),
+        str(fp8_toml),
         "--fp8flow.recipe",
         "rowwise",
         "--fp8flow.filter_fqns",
@@ -252,16 +271,19 @@ def test_converter_on_meta_model_then_materialize_and_train() -> None:
         FP8FlowConverter(cfg, None).convert(model)
 
 
-def test_trainer_trains_both_configs_on_cpu(tmp_path: Path, corpus: Path) -> None:
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_trainer_trains_both_configs_on_cpu(tmp_path: Path, corpus: Path, family: str) -> None:
     """torchtitan's Trainer, 2 steps of each TOML on the CPU: same initial loss, both learn, FP8 close to BF16."""
-    common = [
+    flavor = [] if FAMILIES[family] is None else ["--model.flavor", FAMILIES[family]]
+    add_qwen3_cpu_flavor()
+    common = [*flavor,
         "--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
         "--training.dataset_path", str(corpus.parent), "--training.mixed_precision_param", "float32",
         "--model.hf_assets_path", str(assets.TOKENIZER_DIR),
     ]  # fmt: skip
     losses = {
         name: cpu.train(["--job.config_file", str(toml), "--job.dump_folder", str(tmp_path / name), *common], False)
-        for name, toml in (("bf16", BF16_TOML), ("fp8flow", FP8FLOW_TOML))
+        for name, toml in zip(("bf16", "fp8flow"), pair(family), strict=True)
     }
     assert all(len(v) == 2 and all(map(math.isfinite, v)) for v in losses.values())
     assert losses["bf16"][1] < losses["bf16"][0] and losses["fp8flow"][1] < losses["fp8flow"][0]
@@ -285,7 +307,7 @@ def test_trainer_with_activation_checkpointing_matches_no_checkpointing(
     backward gave the same gradients on the FP8-Flow path (the CPU runs deterministic kernels).
     """
     common = [
-        "--job.config_file", str(FP8FLOW_TOML), "--training.steps", "2", "--training.seq_len", "64",
+        "--job.config_file", str(pair("deepseek_v3_debug")[1]), "--training.steps", "2", "--training.seq_len", "64",
         "--training.local_batch_size", "2", "--training.dataset_path", str(corpus.parent),
         "--training.mixed_precision_param", "float32", "--model.hf_assets_path", str(assets.TOKENIZER_DIR),
         "--activation_checkpoint.selective_ac_option", "op",

@@ -6,11 +6,25 @@ The MoE layer runs FC1 as one grouped GEMM against ``cat([w1, w3], dim=-2)``, so
 Forward: ``a = silu(gate) * up * prob`` in fp32, quantized 1x128 straight to E4M3 (FC2's operand);
 no BF16 activation is written.
 
-Backward: from ``grad_a`` (FC2's dgrad, BF16 ``[M, H]``) and ``h``, in fp32::
+Two places for the router prob ``p``, one constexpr flag of both kernels:
+
+* after the experts (torchtitan's ``score_before_experts=False``, DeepSeek-V3, Qwen3): ``p`` scales
+  the expert's output, and FC2 is linear, so it scales ``a``: ``a = silu(g) * u * p``;
+* before the experts (``score_before_experts=True``, Llama 4): the expert sees ``p * x``, and FC1
+  is linear, so SwiGLU's inputs are ``p * h``: ``a = silu(p * g) * (p * u)``. The expert input
+  stays the unscaled token (quantized once, before dispatch), so the two-cast count is unchanged.
+
+Backward: from ``grad_a`` (FC2's dgrad, BF16 ``[M, H]``) and ``h``, in fp32. After the experts::
 
     s = 1 / (1 + exp(-g));  silu = g * s
     d_up = (grad_a * silu) * p;  d_gate = (grad_a * up * p) * (s * (1 + g * (1 - s)))
     grad_probs[m] = sum_h (grad_a * silu) * up
+
+Before the experts, with ``g' = p * g`` and ``u' = p * u`` (SwiGLU's inputs) and ``s = sigmoid(g')``::
+
+    dsilu = s * (1 + g' * (1 - s));  t_up = grad_a * (g' * s);  t_gate = grad_a * u' * dsilu
+    d_up = t_up * p;  d_gate = t_gate * p   (t: the gradients w.r.t. g', u')
+    grad_probs[m] = sum_h (t_gate * g + t_up * u) = sum_h grad_a * u * g' * (s + dsilu)
 
 ``dh = [d_gate | d_up]`` goes straight to E4M3 twice from the same fp32 values: row-wise (FC1 dgrad)
 and column-wise, physically transposed (FC1 wgrad). One kernel, no BF16 ``dh``.
@@ -114,6 +128,7 @@ def _swiglu_quant_kernel(
     stride_hm,
     num_groups,
     HAS_PROBS: tl.constexpr,
+    SCORE_BEFORE_EXPERTS: tl.constexpr,
     HAS_OFFSETS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -127,9 +142,14 @@ def _swiglu_quant_kernel(
     gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
     g = tl.load(gate_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     u = tl.load(gate_ptrs + H, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    a = g * _sigmoid(g) * u
     if HAS_PROBS:
-        a = a * tl.load(probs_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    if SCORE_BEFORE_EXPERTS:  # the expert saw p * x: FC1 is linear, so SwiGLU's inputs are p * h
+        g = g * p
+        u = u * p
+    a = g * _sigmoid(g) * u
+    if HAS_PROBS and not SCORE_BEFORE_EXPERTS:
+        a = a * p
     scale_inv, scale = pow2_scale_inv_and_scale(nan_ignoring_amax(a, axis=1))
     tl.store(data_ptr + rows64[:, None] * H + cols[None, :], (a * scale[:, None]).to(tl.float8e4nv))
     tl.store(scale_inv_ptr + rows64 * (H // BLOCK_H) + pid_h, tl.where(row_ok, scale_inv, 0.0))
@@ -184,6 +204,7 @@ def _swiglu_quant_backward_kernel(
     stride_hm,
     num_groups,
     HAS_PROBS: tl.constexpr,
+    SCORE_BEFORE_EXPERTS: tl.constexpr,
     HAS_OFFSETS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -208,14 +229,28 @@ def _swiglu_quant_backward_kernel(
         g = tl.load(gate_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         u = tl.load(gate_ptrs + H, mask=row_ok[:, None], other=0.0).to(tl.float32)
         ga = ga.to(tl.float32)
-        s = _sigmoid(g)
-        d_up = ga * (g * s)
-        d_gate = ga * u
-        if HAS_PROBS:
-            grad_probs += tl.sum(d_up * u, axis=1)
+        if SCORE_BEFORE_EXPERTS:
+            # SwiGLU's inputs were g' = p * gate and u' = p * up. grad_probs = sum(t_gate * gate +
+            # t_up * up) (t: the gradients w.r.t. g', u'), written as sum(grad_a * up * g' * (s + dsilu))
+            # so that gate and up die early: sm_90, 8 warps, triton 3.6 spills 8 bytes as in the other
+            # mode (the plain sum: 152); triton 3.9 spills 472 either way round (the other mode: 32).
+            gp = g * p
+            s = _sigmoid(gp)
+            d_up = ga * (gp * s)
+            gu = ga * u
+            dsilu = s * (1.0 + gp * (1.0 - s))
+            grad_probs += tl.sum(gu * (gp * (s + dsilu)), axis=1)
             d_up = d_up * p
-            d_gate = d_gate * p
-        d_gate = d_gate * (s * (1.0 + g * (1.0 - s)))
+            d_gate = ((gu * p) * dsilu) * p
+        else:
+            s = _sigmoid(g)
+            d_up = ga * (g * s)
+            d_gate = ga * u
+            if HAS_PROBS:
+                grad_probs += tl.sum(d_up * u, axis=1)
+                d_up = d_up * p
+                d_gate = d_gate * p
+            d_gate = d_gate * (s * (1.0 + g * (1.0 - s)))
         # d_gate first: only d_up stays live across its quantization (fewest registers).
         _store_rowwise_and_colwise(
             d_gate, col0, rows, row_ok, block_ok, M, 2 * H, dh_ptr, dh_scale_ptr, dh_t_ptr, scale_t_row_ptr, BLOCK_H
@@ -227,15 +262,22 @@ def _swiglu_quant_backward_kernel(
         tl.store(grad_probs_ptr + rows, grad_probs)
 
 
-def _kernel_flags(probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None) -> dict:
+def _kernel_flags(
+    probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None, score_before_experts: bool
+) -> dict:
     """Constexpr flags of both kernels. Absent optional inputs pass ``h``'s pointer, never read."""
-    return {"HAS_PROBS": probs is not None, "HAS_OFFSETS": group_end_offsets is not None}
+    return {
+        "HAS_PROBS": probs is not None,
+        "SCORE_BEFORE_EXPERTS": bool(score_before_experts),
+        "HAS_OFFSETS": group_end_offsets is not None,
+    }
 
 
 def launch_swiglu_quant(
     h: torch.Tensor,
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
+    score_before_experts: bool = False,
     config: LaunchConfig = FORWARD_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`swiglu_quant`."""
@@ -257,7 +299,7 @@ def launch_swiglu_quant(
         hidden,
         h.stride(0),
         0 if group_end_offsets is None else group_end_offsets.numel(),
-        **_kernel_flags(probs, group_end_offsets),
+        **_kernel_flags(probs, group_end_offsets, score_before_experts),
         BLOCK_M=config.block_m,
         BLOCK_H=BLOCK,
         num_warps=config.num_warps,
@@ -271,6 +313,7 @@ def launch_swiglu_quant_backward(
     h: torch.Tensor,
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
+    score_before_experts: bool = False,
     config: LaunchConfig = BACKWARD_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as the op
@@ -301,7 +344,7 @@ def launch_swiglu_quant_backward(
         grad_a.stride(0),
         h.stride(0),
         0 if group_end_offsets is None else group_end_offsets.numel(),
-        **_kernel_flags(probs, group_end_offsets),
+        **_kernel_flags(probs, group_end_offsets, score_before_experts),
         BLOCK_M=BLOCK,
         BLOCK_H=BLOCK,
         NUM_STAGES=config.num_stages,
@@ -330,15 +373,26 @@ def _gate_up_reference(h: torch.Tensor, rows_ok: torch.Tensor) -> tuple[torch.Te
     return hf[:, :hidden], hf[:, hidden:]
 
 
+def _probs_reference(probs: torch.Tensor, rows_ok: torch.Tensor) -> torch.Tensor:
+    """``probs`` as the kernels' ``[M, 1]`` masked load (0 in rows that are not computed)."""
+    return torch.where(rows_ok, probs, 0.0)[:, None]
+
+
 def swiglu_quant_reference(
-    h: torch.Tensor, probs: torch.Tensor | None = None, group_end_offsets: torch.Tensor | None = None
+    h: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    group_end_offsets: torch.Tensor | None = None,
+    score_before_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`swiglu_quant` (the oracle and the CPU path)."""
     rows_ok = _rows_computed(h.shape[0], group_end_offsets, h.device)
     g, u = _gate_up_reference(h, rows_ok)
+    if score_before_experts:
+        p = _probs_reference(probs, rows_ok)
+        g, u = g * p, u * p
     a = g * _sigmoid_reference(g) * u
-    if probs is not None:
-        a = a * torch.where(rows_ok, probs, 0.0)[:, None]
+    if probs is not None and not score_before_experts:
+        a = a * _probs_reference(probs, rows_ok)
     data, scale_inv = quantize_rows_reference(a, BLOCK)
     return data, torch.where(rows_ok[:, None], scale_inv, 0.0)
 
@@ -354,21 +408,29 @@ def swiglu_quant_backward_reference(
     h: torch.Tensor,
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
+    score_before_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of the op ``fp8flow::swiglu_quant_backward`` (``grad_probs`` empty without ``probs``)."""
     rows_ok = _rows_computed(h.shape[0], group_end_offsets, h.device)
     g, u = _gate_up_reference(h, rows_ok)
     ga = torch.where(rows_ok[:, None], grad_a.float(), 0.0)
-    s = _sigmoid_reference(g)
-    dsilu = s * (1.0 + g * (1.0 - s))
-    t = ga * (g * s)
-    d_up, d_gate = t, ga * u
     grad_probs = h.new_empty((0,), dtype=torch.float32)
-    if probs is not None:
-        p = torch.where(rows_ok, probs, 0.0)[:, None]
-        d_up, d_gate = d_up * p, d_gate * p
-        grad_probs = (t * u).sum(dim=1)
-    dh = torch.cat([d_gate * dsilu, d_up], dim=1)
+    if score_before_experts:  # gradients w.r.t. SwiGLU's inputs p * g, p * u, then the chain rule's p
+        p = _probs_reference(probs, rows_ok)
+        gp, gu = g * p, ga * u
+        s = _sigmoid_reference(gp)
+        dsilu = s * (1.0 + gp * (1.0 - s))
+        grad_probs = (gu * (gp * (s + dsilu))).sum(dim=1)
+        dh = torch.cat([((gu * p) * dsilu) * p, (ga * (gp * s)) * p], dim=1)
+    else:
+        s = _sigmoid_reference(g)
+        t = ga * (g * s)
+        d_up, d_gate = t, ga * u
+        if probs is not None:
+            p = _probs_reference(probs, rows_ok)
+            d_up, d_gate = d_up * p, d_gate * p
+            grad_probs = (t * u).sum(dim=1)
+        dh = torch.cat([d_gate * (s * (1.0 + g * (1.0 - s))), d_up], dim=1)
     dh_data, dh_scale = quantize_rows_reference(dh, BLOCK)
     dh_t_data, dh_t_scale = _quantize_columns_reference(dh, rows_ok)
     return dh_data, torch.where(rows_ok[:, None], dh_scale, 0.0), dh_t_data, dh_t_scale, grad_probs
@@ -376,9 +438,12 @@ def swiglu_quant_backward_reference(
 
 @torch.library.custom_op("fp8flow::swiglu_quant", mutates_args=())
 def _swiglu_quant_op(
-    h: torch.Tensor, probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None
+    h: torch.Tensor,
+    probs: torch.Tensor | None,
+    group_end_offsets: torch.Tensor | None,
+    score_before_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return swiglu_quant_reference(h, probs, group_end_offsets)
+    return swiglu_quant_reference(h, probs, group_end_offsets, score_before_experts)
 
 
 _swiglu_quant_op.register_kernel("cuda")(launch_swiglu_quant)
@@ -386,7 +451,10 @@ _swiglu_quant_op.register_kernel("cuda")(launch_swiglu_quant)
 
 @_swiglu_quant_op.register_fake
 def _(
-    h: torch.Tensor, probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None
+    h: torch.Tensor,
+    probs: torch.Tensor | None,
+    group_end_offsets: torch.Tensor | None,
+    score_before_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m, two_h = h.shape
     return h.new_empty((m, two_h // 2), dtype=FP8_DTYPE), h.new_empty((m, two_h // 2 // BLOCK), dtype=torch.float32)
@@ -394,9 +462,13 @@ def _(
 
 @torch.library.custom_op("fp8flow::swiglu_quant_backward", mutates_args=())
 def _swiglu_quant_backward_op(
-    grad_a: torch.Tensor, h: torch.Tensor, probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None
+    grad_a: torch.Tensor,
+    h: torch.Tensor,
+    probs: torch.Tensor | None,
+    group_end_offsets: torch.Tensor | None,
+    score_before_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return swiglu_quant_backward_reference(grad_a, h, probs, group_end_offsets)
+    return swiglu_quant_backward_reference(grad_a, h, probs, group_end_offsets, score_before_experts)
 
 
 _swiglu_quant_backward_op.register_kernel("cuda")(launch_swiglu_quant_backward)
@@ -404,7 +476,11 @@ _swiglu_quant_backward_op.register_kernel("cuda")(launch_swiglu_quant_backward)
 
 @_swiglu_quant_backward_op.register_fake
 def _(
-    grad_a: torch.Tensor, h: torch.Tensor, probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None
+    grad_a: torch.Tensor,
+    h: torch.Tensor,
+    probs: torch.Tensor | None,
+    group_end_offsets: torch.Tensor | None,
+    score_before_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, two_h = h.shape
     return (
@@ -416,7 +492,7 @@ def _(
     )
 
 
-def _check_inputs(h: object, probs: object, group_end_offsets: object) -> None:
+def _check_inputs(h: object, probs: object, group_end_offsets: object, score_before_experts: object) -> None:
     """The checks both public ops share (shapes, dtypes, strides, devices; no data read)."""
     check_tensor("h", h, dtypes=torch.bfloat16, ndim=2)
     check_row_major("h", h)
@@ -434,12 +510,19 @@ def _check_inputs(h: object, probs: object, group_end_offsets: object) -> None:
         if group_end_offsets.numel() == 0:
             raise ValueError("group_end_offsets must hold at least one group end offset, got an empty tensor")
     check_same_device(h=h, probs=probs, group_end_offsets=group_end_offsets)
+    if not isinstance(score_before_experts, bool):
+        raise TypeError(f"score_before_experts must be a bool, got {type(score_before_experts).__name__}")
+    if score_before_experts and probs is None:
+        raise ValueError("score_before_experts=True scales SwiGLU's inputs by probs: probs must be given, got None")
 
 
 def swiglu_quant(
-    h: torch.Tensor, probs: torch.Tensor | None = None, group_end_offsets: torch.Tensor | None = None
+    h: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    group_end_offsets: torch.Tensor | None = None,
+    score_before_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a = silu(gate) * up * prob`` (fp32) quantized 1x128 to E4M3, in one pass over ``h``.
+    """``a = silu(gate) * up * prob`` (or ``silu(prob * gate) * (prob * up)``) quantized 1x128 to E4M3, in one pass.
 
     Args:
         h: FC1's output, BF16 ``[M, 2H]``, row-major (last dim contiguous; the row stride is free):
@@ -449,14 +532,18 @@ def swiglu_quant(
         group_end_offsets: int32 ``[E]`` expert group end offsets (multiples of 128, non-decreasing,
             on ``h``'s device), or ``None`` (every row is computed). Rows at or after the last one
             are not read; their outputs are data 0 and scale 0.
+        score_before_experts: where the prob enters (torchtitan's ``MoE.score_before_experts``):
+            ``False``: ``a = silu(gate) * up * prob`` (the prob scales the expert's output);
+            ``True``: ``a = silu(prob * gate) * (prob * up)`` (the prob scaled the expert's input,
+            and FC1 is linear). ``True`` needs ``probs``.
 
     Returns:
         ``(a_data, a_scale)``: ``a_data`` E4M3 ``[M, H]`` row-major; ``a_scale`` fp32
         ``[M, H / 128]`` (COMPACT row-wise), the dequantize multiplier (``a ~= data * scale``), a
         power of two.
     """
-    _check_inputs(h, probs, group_end_offsets)
-    return torch.ops.fp8flow.swiglu_quant(h, probs, group_end_offsets)
+    _check_inputs(h, probs, group_end_offsets, score_before_experts)
+    return torch.ops.fp8flow.swiglu_quant(h, probs, group_end_offsets, score_before_experts)
 
 
 def swiglu_quant_backward(
@@ -464,12 +551,13 @@ def swiglu_quant_backward(
     h: torch.Tensor,
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
+    score_before_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """SwiGLU backward: ``dh = [d_gate | d_up]`` in fp32, quantized to E4M3 row-wise and column-wise.
 
     Args:
         grad_a: gradient of :func:`swiglu_quant`'s ``a`` (FC2's dgrad), BF16 ``[M, H]`` row-major.
-        h, probs, group_end_offsets: as for :func:`swiglu_quant` (the forward's inputs).
+        h, probs, group_end_offsets, score_before_experts: as for :func:`swiglu_quant` (the forward's inputs).
 
     Returns:
         ``(dh_data, dh_scale, dh_t_data, dh_t_scale, grad_probs)``:
@@ -478,15 +566,16 @@ def swiglu_quant_backward(
           row-wise blocks (FC1 dgrad's operand).
         * ``dh_t_data`` E4M3 ``[2H, M]`` (``dh`` transposed: tokens contiguous) + ``dh_t_scale``
           fp32 ``[M / 128, 2H]``: one scale per (128-row block, column) (FC1 wgrad's operand).
-        * ``grad_probs`` fp32 ``[M]`` (``sum_h grad_a * silu(gate) * up``), or ``None`` without ``probs``.
+        * ``grad_probs`` fp32 ``[M]`` (``sum_h grad_a * d a / d prob``: ``grad_a * silu(gate) * up``
+          after the experts), or ``None`` without ``probs``.
 
         Scales are dequantize multipliers (powers of two). Rows at or after the last group end
         offset: data 0 and scale 0 in both layouts, ``grad_probs`` 0.
     """
-    _check_inputs(h, probs, group_end_offsets)
+    _check_inputs(h, probs, group_end_offsets, score_before_experts)
     check_tensor("grad_a", grad_a, dtypes=torch.bfloat16, ndim=2)
     check_row_major("grad_a", grad_a)
     check_shape("grad_a", grad_a, (h.shape[0], h.shape[1] // 2))
     check_same_device(grad_a=grad_a, h=h)
-    *dh, grad_probs = torch.ops.fp8flow.swiglu_quant_backward(grad_a, h, probs, group_end_offsets)
+    *dh, grad_probs = torch.ops.fp8flow.swiglu_quant_backward(grad_a, h, probs, group_end_offsets, score_before_experts)
     return (*dh, grad_probs if probs is not None else None)
