@@ -92,6 +92,68 @@ def run_fsdp_case(case: dict, rank: int, world: int, device: str) -> dict:
     return results
 
 
+def _full(state: dict) -> dict:
+    """A copy of a state dict with every DTensor gathered (to compare across placements and steps)."""
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in state.items()}
+
+
+def run_dcp_case(case: dict, rank: int, world: int, device: str) -> dict:
+    """DCP under expert parallelism: save after step 1, resume in a fresh model, and load into a BF16 model."""
+    import torch.distributed.checkpoint as dcp
+    from test_moe import make_moe
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    mesh = torch.distributed.device_mesh.init_device_mesh(device, (world,))
+    batches = [(_local_slice(case[f"x{i}"], rank, world), _local_slice(case[f"grad{i}"], rank, world)) for i in (0, 1)]
+
+    def build(convert: bool, seed: int):
+        moe = make_moe(**case["make"], device=device, seed=seed)
+        if convert:
+            convert_moe_layer(moe)
+        parallelize_module(moe.experts, mesh, ExpertParallel())
+        return moe, torch.optim.AdamW(moe.parameters(), lr=1e-2)
+
+    def step(moe, optimizer, batch) -> torch.Tensor:
+        x, grad = (t.to(device)[None] for t in batch)
+        with integer_histc():
+            out = moe(x)
+            out.backward(grad)
+        for p in moe.parameters():  # data parallel over the replicated (non-expert) weights, as DDP/FSDP do
+            if not hasattr(p, "to_local"):
+                dist.all_reduce(p.grad)
+        optimizer.step()
+        optimizer.zero_grad()
+        return out[0].detach()
+
+    def state(moe, optimizer) -> dict:
+        model_sd, optim_sd = get_state_dict(moe, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    moe, optimizer = build(True, seed=0)
+    step(moe, optimizer, batches[0])
+    dcp.save(state(moe, optimizer), checkpoint_id=case["checkpoint_dir"])
+    step1_weights = _full(moe.state_dict())
+    uninterrupted = step(moe, optimizer, batches[1])
+    resumed_moe, resumed_optimizer = build(True, seed=1)  # other initial weights: the load must replace them
+    loaded = state(resumed_moe, resumed_optimizer)
+    dcp.load(loaded, checkpoint_id=case["checkpoint_dir"])
+    set_state_dict(resumed_moe, resumed_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    resumed = step(resumed_moe, resumed_optimizer, batches[1])
+    # The same checkpoint, model only, into an unconverted BF16 layer under torchtitan's own EP style.
+    bf16, _ = build(False, seed=2)
+    bf16_state = {"model": bf16.state_dict()}
+    dcp.load(bf16_state, checkpoint_id=case["checkpoint_dir"])
+    in_bf16 = _full(bf16_state["model"])
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "same_keys": sorted(in_bf16) == sorted(step1_weights),
+        "bf16_has_step1_weights": all(torch.equal(in_bf16[k], step1_weights[k]) for k in step1_weights),
+    }
+
+
 def worker(rank: int, world: int, device: str, folder: str) -> None:
     """Entry point of one spawned rank."""
     path = Path(folder)
@@ -104,13 +166,12 @@ def worker(rank: int, world: int, device: str, folder: str) -> None:
         cases = torch.load(path / "cases.pt")
         results = {}
         for name, case in cases.items():
-            run = (
-                run_fsdp_case
-                if "fsdp_fp8_all_gather" in case
-                else run_layer_case
-                if "make" in case
-                else run_routed_case
-            )
+            if "checkpoint_dir" in case:
+                run = run_dcp_case
+            elif "fsdp_fp8_all_gather" in case:
+                run = run_fsdp_case
+            else:
+                run = run_layer_case if "make" in case else run_routed_case
             results[name] = {
                 k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in run(case, rank, world, device).items()
             }

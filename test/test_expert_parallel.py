@@ -8,6 +8,8 @@ order, rank 0's tokens first), the BF16 rows return unchanged and the top-k sum 
 rank in the same fp32 order. Also: still exactly 2 explicit activation casts per layer and step;
 empty experts, a rank that receives no rows, recompute; torchtitan's MoE layer with its experts
 parallelized by torchtitan's own ``ExpertParallel`` style (a BF16 layer beside it keeps torchtitan's);
+FSDP2 with the expert weights all-gathered in FP8 (bit-identical to the BF16 all-gather); a DCP
+checkpoint under EP that resumes bit for bit and loads into an unconverted BF16 layer (same keys);
 clear errors for bad degrees and unsupported parallelisms.
 """
 
@@ -73,6 +75,24 @@ for _fp8_gather in (False, True):
     CASES[f"fsdp_fp8_gather={_fp8_gather}"] = CASES["layer"] | {"fsdp_fp8_all_gather": _fp8_gather}
 
 
+def _dcp_case(checkpoint_dir) -> dict:
+    """Two steps of the skewed layer under EP: a DCP checkpoint after the first (see ep_worker.run_dcp_case)."""
+    g = torch.Generator().manual_seed(11)
+    tensors = {
+        f"{name}{i}": torch.randn(WORLD * TOKENS_PER_RANK, DIM, generator=g).to(torch.bfloat16)
+        for i in (0, 1)
+        for name in ("x", "grad")
+    }
+    return {"make": CASES["layer"]["make"], "checkpoint_dir": str(checkpoint_dir)} | tensors
+
+
+def _check_dcp(ranks: list[dict]) -> None:
+    for rank, results in enumerate(ranks):
+        dcp = results["dcp"]
+        assert torch.equal(dcp["resumed"], dcp["uninterrupted"]), f"rank {rank}: resumed step differs"
+        assert dcp["same_keys"] and dcp["bf16_has_step1_weights"], f"rank {rank}: BF16 layer did not load it"
+
+
 def _single_process_routed(case: dict, device: str) -> dict:
     x, probs = case["x"].to(device).requires_grad_(), case["probs"].to(device).requires_grad_()
     weights = [case[n].to(device).requires_grad_() for n in ("w1", "w2", "w3")]
@@ -93,7 +113,7 @@ def _single_process_layer(case: dict, device: str) -> dict:
 def _run_ranks(tmp_path, device: str) -> list[dict]:
     import ep_worker
 
-    torch.save(CASES, tmp_path / "cases.pt")
+    torch.save(CASES | {"dcp": _dcp_case(tmp_path / "dcp")}, tmp_path / "cases.pt")
     torch.multiprocessing.spawn(ep_worker.worker, args=(WORLD, device, str(tmp_path)), nprocs=WORLD, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
@@ -125,6 +145,7 @@ def _check_fsdp(ranks: list[dict]) -> None:
 
 def _check_against_single_process(ranks: list[dict], device: str) -> None:
     _check_fsdp(ranks)
+    _check_dcp(ranks)
     for name, case in CASES.items():
         if "fsdp_fp8_all_gather" in case:
             continue
