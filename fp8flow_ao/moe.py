@@ -127,10 +127,11 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # The token rows again, in the forward's padded expert-major order (a gather, no cast).
         xp, xp_scale = permute_pad_rows(rows, rows_scale, src_rows, rows_k)
         # The weights' exact transposes for the dgrads (and W13 itself when recomputing FC1): kept from
-        # forward, or quantized again from the same weights (the same bits).
-        qw = weights_for_backward(kept, w1, w2, w3, ctx.recompute)
+        # forward, or quantized again from the same weights (the same bits), each right before its dgrad
+        # and dropped after it, so no FP8 weight copy is alive while the weight gradients are written.
+        qw13 = weights_for_backward(kept, w1, w2, w3, True, "w13") if ctx.recompute else None
         if ctx.recompute:
-            h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw.w13, qw.w13_scale, probs_p, offs, ctx.score_before)
+            h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw13.w13, qw13.w13_scale, probs_p, offs, ctx.score_before)
         else:
             h, a_data, a_scale = fc1_saved
 
@@ -141,7 +142,9 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, rows_k)
 
         # FC2 dgrad: da [M, H] = dy @ w2 per expert, RHS = exact FP8 w2^T [E, H, D].
-        grad_a = grouped_gemm_fp8_blockwise(dyp, dyp_scale, qw.w2_t, qw.w2_t_scale, offs, out_dtype=torch.bfloat16)
+        qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2")
+        grad_a = grouped_gemm_fp8_blockwise(dyp, dyp_scale, qw2.w2_t, qw2.w2_t_scale, offs, out_dtype=torch.bfloat16)
+        del qw2
         # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
         dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
         a_t, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
@@ -152,7 +155,10 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
         dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs, ctx.score_before)
         # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
-        grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, qw.w13_t, qw.w13_t_scale, offs, out_dtype=torch.bfloat16)
+        if qw13 is None:
+            qw13 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w13")
+        grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, qw13.w13_t, qw13.w13_t_scale, offs, out_dtype=torch.bfloat16)
+        del qw13
         # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8.
         xp_t, xp_t_scale = scaling_aware_transpose(xp, xp_scale, offs)
         grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype)

@@ -89,12 +89,19 @@ NOTHING = ExpertWeightsFP8(*(None,) * len(ExpertWeightsFP8._fields))
 
 
 def quantize_expert_weights(
-    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, with_w13: bool, with_w2: bool, with_transpose: bool
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    with_w13: bool,
+    with_w2: bool,
+    with_w13_t: bool,
+    with_w2_t: bool,
 ) -> ExpertWeightsFP8:
     """Quantize ``W13 = [w1; w3]`` (one pass, one buffer: no FP8 concatenation) and ``w2``.
 
     ``w1``, ``w3`` ``[E, H, D]``, ``w2`` ``[E, D, H]``, bf16/fp32. ``with_w13``/``with_w2`` ask for the
-    forward orientations, ``with_transpose`` for both transposes (written by the same passes).
+    forward orientations, ``with_w13_t``/``with_w2_t`` for the transposes (a weight's two orientations
+    are written by the same pass; a weight asked for in neither is not read).
     Weights that arrive as FP8 tiles (FSDP2's FP8 all-gather: :class:`~fp8flow_ao.tensor.Float8BlockwiseWeight`)
     are not quantized again: W13 joins their tiles and the transposes are byte transposes of them.
     """
@@ -104,20 +111,27 @@ def quantize_expert_weights(
     if any(gathered):
         if not all(gathered):
             raise TypeError("w1, w2, w3 must all be FP8 all-gathered (Float8BlockwiseWeight) or all high precision")
-        return _from_tiles(w1, w2, w3, with_w13, with_w2, with_transpose)
-    w13 = quantize_128x128(w1.contiguous(), with_transpose, with_w13, w_tail=w3.contiguous())
-    w2_q = quantize_128x128(w2.contiguous(), with_transpose, with_w2) if with_w2 or with_transpose else (None,) * 4
+        return _from_tiles(w1, w2, w3, with_w13, with_w2, with_w13_t, with_w2_t)
+    none = (None,) * 4
+    w13 = (
+        quantize_128x128(w1.contiguous(), with_w13_t, with_w13, w_tail=w3.contiguous())
+        if with_w13 or with_w13_t
+        else none
+    )
+    w2_q = quantize_128x128(w2.contiguous(), with_w2_t, with_w2) if with_w2 or with_w2_t else none
     return ExpertWeightsFP8(*w13, *w2_q)
 
 
-def _from_tiles(w1, w2, w3, with_w13: bool, with_w2: bool, with_transpose: bool) -> ExpertWeightsFP8:
+def _from_tiles(w1, w2, w3, with_w13: bool, with_w2: bool, with_w13_t: bool, with_w2_t: bool) -> ExpertWeightsFP8:
     """:func:`quantize_expert_weights` for weights already in FP8 tiles: joins and byte transposes only."""
     from fp8flow_ao.tensor import byte_transpose
 
-    (d1, s1), (d3, s3) = w1.data_and_scale(), w3.data_and_scale()
-    w13 = (torch.cat([d1, d3], dim=1), torch.cat([s1, s3], dim=1))
-    w13_t = tuple(byte_transpose(t) for t in w13) if with_transpose else (None, None)
-    w2_t = w2.transposed() if with_transpose else (None, None)
+    w13 = w13_t = (None, None)
+    if with_w13 or with_w13_t:
+        (d1, s1), (d3, s3) = w1.data_and_scale(), w3.data_and_scale()
+        w13 = (torch.cat([d1, d3], dim=1), torch.cat([s1, s3], dim=1))
+        w13_t = tuple(byte_transpose(t) for t in w13) if with_w13_t else (None, None)
+    w2_t = w2.transposed() if with_w2_t else (None, None)
     return ExpertWeightsFP8(
         *(w13 if with_w13 else (None, None)), *w13_t, *(w2.data_and_scale() if with_w2 else (None, None)), *w2_t
     )
@@ -222,10 +236,10 @@ def check_weight_cache_mode(mode: object) -> None:
 def weights_for_forward(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mode: str) -> ExpertWeightsFP8:
     """The FP8 weights a forward uses: the forward orientation (``"off"``), or both (``"forward"``, ``"step"``)."""
     if mode == "off":
-        return quantize_expert_weights(w1, w2, w3, with_w13=True, with_w2=True, with_transpose=False)
+        return quantize_expert_weights(w1, w2, w3, True, True, with_w13_t=False, with_w2_t=False)
 
     def both() -> ExpertWeightsFP8:
-        return quantize_expert_weights(w1, w2, w3, with_w13=True, with_w2=True, with_transpose=True)
+        return quantize_expert_weights(w1, w2, w3, True, True, with_w13_t=True, with_w2_t=True)
 
     # Compiled graphs quantize in the graph (module docstring); the branch is resolved while tracing.
     if mode == "forward" or torch.compiler.is_compiling():
@@ -248,10 +262,15 @@ def split_kept(saved: Sequence[torch.Tensor | None]) -> tuple[ExpertWeightsFP8, 
 
 
 def weights_for_backward(
-    kept: ExpertWeightsFP8, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, recompute: bool
+    kept: ExpertWeightsFP8, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, recompute: bool, weight: str
 ) -> ExpertWeightsFP8:
-    """The FP8 weights backward needs: what forward kept, or (``"off"``) the transposes quantized again
-    from the same weights -- the same bits -- plus W13 when FC1 is recomputed."""
+    """The FP8 weights one backward GEMM needs: what forward kept, or (``"off"``) the transpose quantized
+    again from the same weights -- the same bits. ``weight`` is ``"w2"`` (FC2 dgrad's ``w2^T``) or
+    ``"w13"`` (FC1 dgrad's ``W13^T``, plus W13 itself when FC1 is recomputed). One at a time, so the
+    layer can drop each transpose after its GEMM, before the weight gradients are written."""
     if kept.w13_t is not None:
         return kept
-    return quantize_expert_weights(w1, w2, w3, with_w13=recompute, with_w2=False, with_transpose=True)
+    if weight not in ("w2", "w13"):
+        raise ValueError(f"weight must be 'w2' or 'w13', got {weight!r}")
+    w13 = weight == "w13"
+    return quantize_expert_weights(w1, w2, w3, w13 and recompute, False, with_w13_t=w13, with_w2_t=not w13)
