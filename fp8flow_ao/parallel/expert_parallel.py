@@ -25,6 +25,10 @@ count sizes its buffers. torchtitan's BF16 ``ExpertParallel`` makes the same syn
 its splits). Backward reuses the forward's plan and syncs nothing. Everything else (the sort, the
 maps, the receiver's local expert ids, padding) is computed on the device.
 
+The expert-parallel path runs eagerly: the split sizes are host integers, so it does not trace
+into one ``torch.compile(fullgraph=True)`` graph (torchtitan leaves the routed experts uncompiled
+anyway; the one-GPU path compiles fullgraph as before).
+
 This module is torchtitan-free; :mod:`fp8flow_ao.torchtitan.expert_parallel` plugs it into
 torchtitan's ``expert_parallel_degree``.
 """
