@@ -317,3 +317,15 @@ def test_fsdp_fp8_all_gather_option_checks():
         FP8FlowConfig(fsdp_fp8_all_gather=1)
     moe = convert_moe_layer(make_moe(), fsdp_fp8_all_gather=True)
     assert all(type(v) is torch.Tensor for v in moe.state_dict().values()), "checkpoints hold plain tensors"
+
+
+def test_one_rank_group_with_no_tokens(one_rank_group):
+    """T = 0 (a rank whose batch routed nothing): empty payloads through the whole dispatch path."""
+    case = _routed_case(8, experts=4, top_k=2, route="balanced", recompute=False)
+    x = case["x"][:0].to(DEVICE).requires_grad_()
+    probs = case["probs"][:0].to(DEVICE).requires_grad_()
+    weights = [case[n].to(DEVICE).requires_grad_() for n in ("w1", "w2", "w3")]
+    out = fp8flow_routed_experts(x, probs, case["indices"][:0].to(DEVICE), *weights, ep_group=one_rank_group)
+    out.backward(torch.ones_like(out))
+    assert out.shape == (0, DIM) and x.grad.shape == (0, DIM) and probs.grad.shape == (0, 2)
+    assert all(w.grad is not None and not w.grad.any() for w in weights)
