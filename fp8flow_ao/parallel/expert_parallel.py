@@ -44,6 +44,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from fp8flow_ao._checks import validate_index_range, validation_enabled
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 
@@ -91,6 +92,8 @@ def plan_dispatch(expert_indices: torch.Tensor, num_experts: int, group: dist.Pr
     ranks = dist.get_world_size(group)
     if num_experts % ranks:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the expert-parallel degree {ranks}")
+    if validation_enabled():  # an id out of range would leave the split sizes short of the rows sent
+        validate_index_range("expert_indices", expert_indices, 0, num_experts)
     local = num_experts // ranks
     top_k = expert_indices.shape[1]
     flat = expert_indices.reshape(-1).to(torch.int32)
