@@ -16,7 +16,12 @@ output for torchtitan's ``score_before_experts=False``, on its inputs (FC1's out
 linear, so ``expert(p * x)`` needs only ``p * h``) for ``score_before_experts=True`` (Llama 4), so
 ``x`` is still quantized once, unscaled, before dispatch.
 
-Saved for backward: ``x8`` + scales ``[T, D]`` (FP8, never BF16; re-permuted in backward, k times
+With ``ep_group`` (expert parallelism, :mod:`fp8flow_ao.parallel.expert_parallel`) the FP8 rows
+travel after Q1 to the ranks of their experts and the expert path runs there on the received rows
+(one expert each); the BF16 outputs return and the top-k sum runs on the token's rank. Backward
+sends dy after Q2 along the same routes. Still two explicit casts; one host sync (the split sizes).
+
+Saved for backward: ``x8`` + scales ``[T, D]`` (under EP: the received rows ``[R, D]``) (FP8, never BF16; re-permuted in backward, k times
 smaller than the permuted rows), the permuted probs, the routing maps and offsets, references to
 the weight parameters (no copy: by default, ``weight_cache="off"``, the weights are re-quantized in
 backward into the exact FP8 transposes the dgrads need, the same bits as forward's, since holding FP8
