@@ -342,7 +342,7 @@ def _same(w: Float8BlockwiseWeight, *args: Any, **kwargs: Any) -> Float8Blockwis
 
 def _identity_view(w: Float8BlockwiseWeight, size, stride=None, storage_offset=0) -> Float8BlockwiseWeight:
     # FSDP2 re-views the unsharded tensor with its own (contiguous) size; anything else would reorder tiles.
-    contiguous = torch.empty(0).new_empty(w.shape).stride()
+    contiguous = tuple(torch._prims_common.make_contiguous_strides_for(w.shape))
     if tuple(size) != tuple(w.shape) or (stride is not None and tuple(stride) != contiguous) or storage_offset:
         raise NotImplementedError(f"Float8BlockwiseWeight supports only identity views, got size {tuple(size)}")
     return _same(w)
