@@ -262,6 +262,17 @@ def to_fp8_blockwise(x: torch.Tensor) -> Float8BlockwiseActivation:
     return _QuantizeActivation.apply(x)
 
 
+def refresh_unsharded(out: torch.Tensor, cls: type, gathered: tuple, held: Callable) -> None:
+    """``fsdp_post_all_gather(out=...)``: FSDP2 refills the all-gather buffers that the unsharded
+    ``out`` (a ``cls``, possibly inside a DTensor) already wraps; copy in only a buffer that differs."""
+    target = out._local_tensor if hasattr(out, "_local_tensor") else out
+    if not isinstance(target, cls):
+        raise TypeError(f"fsdp_post_all_gather: out must wrap a {cls.__name__}, got {type(target).__name__}")
+    for new, old in zip(gathered, held(target), strict=True):
+        if new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr():
+            old.copy_(new)
+
+
 # ---------------------------------------------------------------------------------------------------
 # FP8 expert weight (what FSDP2's FP8 all-gather hands the layer)
 # ---------------------------------------------------------------------------------------------------
@@ -467,11 +478,7 @@ class FP8FlowExpertWeight(torch.Tensor):
         (data,) = all_gather_outputs
         if out is None:
             return FP8FlowExpertWeight(data, self.recipe), (data,)
-        target = out._local_tensor if hasattr(out, "_local_tensor") else out
-        if not isinstance(target, FP8FlowExpertWeight):
-            raise TypeError(f"fsdp_post_all_gather: out must wrap an FP8FlowExpertWeight, got {type(target).__name__}")
-        if data.untyped_storage().data_ptr() != target._data.untyped_storage().data_ptr():
-            target._data.copy_(data)
+        refresh_unsharded(out, FP8FlowExpertWeight, (data,), lambda w: (w._data,))
         return None
 
 

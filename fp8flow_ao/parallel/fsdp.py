@@ -30,7 +30,7 @@ import torch
 
 from fp8flow_ao._format import BLOCK
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
-from fp8flow_ao.tensor import Float8BlockwiseWeight
+from fp8flow_ao.tensor import Float8BlockwiseWeight, refresh_unsharded
 
 
 def check_shard_tiles(shard_shape: tuple[int, ...], full_shape: tuple[int, ...]) -> None:
@@ -79,10 +79,5 @@ def post_all_gather(
     data, scale_inv = outputs
     if out is None:
         return Float8BlockwiseWeight(data, scale_inv, param_dtype), (data, scale_inv)
-    target = out._local_tensor if hasattr(out, "_local_tensor") else out
-    if not isinstance(target, Float8BlockwiseWeight):
-        raise TypeError(f"fsdp_post_all_gather: out must wrap a Float8BlockwiseWeight, got {type(target).__name__}")
-    for new, held in zip(outputs, target.data_and_scale(), strict=True):
-        if new.untyped_storage().data_ptr() != held.untyped_storage().data_ptr():
-            held.copy_(new)
+    refresh_unsharded(out, Float8BlockwiseWeight, outputs, Float8BlockwiseWeight.data_and_scale)
     return None
