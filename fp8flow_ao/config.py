@@ -146,7 +146,8 @@ def _convert_layer(module: nn.Module, config: FP8FlowConfig, fqn: str) -> None:
     check_moe_layer(module, fqn)
     _set_torchtitan_alignment()
     module.experts.use_grouped_mm = True  # the row-wise GEMM is reached through torch._grouped_mm
-    wrap_expert_weights(module.experts, recipe="rowwise")
+    # torchtitan now pads every expert's group to 128 rows: the FP8 op need not pad again.
+    wrap_expert_weights(module.experts, recipe="rowwise", offs_aligned=True)
 
 
 def _unsupported_moe_layer(module: nn.Module) -> str | None:

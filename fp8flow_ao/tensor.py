@@ -50,11 +50,12 @@ def _route_grouped_mm(args: tuple, kwargs: dict) -> torch.Tensor:
             "fp8flow_ao routes only torch._grouped_mm(A [M, K], B_t [E, K, N], offs=...) without bias to FP8; "
             f"got A {tuple(a.shape)}, B {tuple(b.shape)}, offs {'given' if offs is not None else 'None'}"
         )
-    recipe = "blockwise"
+    recipe, aligned = "blockwise", False
     if isinstance(b, FP8FlowExpertWeight):
-        recipe = b.recipe
+        recipe, aligned = b.recipe, b.offs_aligned
         b = _UnwrapWeight.apply(b)
-    return fp8_grouped_mm(a, b, offs, recipe=recipe, out_dtype=call.get("out_dtype") or torch.bfloat16)
+    out_dtype = call.get("out_dtype") or torch.bfloat16
+    return fp8_grouped_mm(a, b, offs, recipe=recipe, out_dtype=out_dtype, offs_aligned=aligned)
 
 
 def _subclass_torch_function(func: Callable, args: tuple, kwargs: dict | None) -> Any:
@@ -403,13 +404,19 @@ class _UnwrapWeight(torch.autograd.Function):
 
 
 class FP8FlowExpertWeight(torch.Tensor):
-    """Expert weight ``[E, N, K]`` whose ``torch._grouped_mm`` runs in FP8 (``recipe``); plain otherwise."""
+    """Expert weight ``[E, N, K]`` whose ``torch._grouped_mm`` runs in FP8 (``recipe``); plain otherwise.
+
+    ``offs_aligned``: the model pads every expert's token group to a multiple of 128 rows before
+    ``torch._grouped_mm`` (torchtitan with ``set_token_group_alignment_size_m(128)``, which the
+    row-wise conversion sets), so the FP8 op skips its own padding (``fp8_grouped_mm(offs_aligned=True)``).
+    """
 
     _data: torch.Tensor
     recipe: str
+    offs_aligned: bool
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, recipe: str = "blockwise"):
+    def __new__(cls, data: torch.Tensor, recipe: str = "blockwise", offs_aligned: bool = False):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.size(),
@@ -421,23 +428,24 @@ class FP8FlowExpertWeight(torch.Tensor):
             requires_grad=data.requires_grad,
         )
 
-    def __init__(self, data: torch.Tensor, recipe: str = "blockwise"):
+    def __init__(self, data: torch.Tensor, recipe: str = "blockwise", offs_aligned: bool = False):
         from fp8flow_ao.grouped_mm import RECIPES
 
         if recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
         self._data = data
         self.recipe = recipe
+        self.offs_aligned = offs_aligned
 
     def __repr__(self) -> str:
-        return f"FP8FlowExpertWeight(recipe={self.recipe!r}, data={self._data!r})"
+        return f"FP8FlowExpertWeight(recipe={self.recipe!r}, offs_aligned={self.offs_aligned}, data={self._data!r})"
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
-        return ["_data"], (self.recipe,)
+        return ["_data"], (self.recipe, self.offs_aligned)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size, outer_stride) -> FP8FlowExpertWeight:
-        return FP8FlowExpertWeight(inner["_data"], meta[0])
+        return FP8FlowExpertWeight(inner["_data"], *meta)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -445,16 +453,16 @@ class FP8FlowExpertWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        recipes = {t.recipe for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls)}
-        if len(recipes) != 1:
-            raise ValueError(f"{func}: FP8FlowExpertWeight operands must share one recipe, got {sorted(recipes)}")
-        (recipe,) = recipes
+        routes = {(t.recipe, t.offs_aligned) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls)}
+        if len(routes) != 1:
+            raise ValueError(f"{func}: FP8FlowExpertWeight operands must share recipe and offs_aligned, got {routes}")
+        (route,) = routes
         plain_args, plain_kwargs = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs or {}))
         out = func(*plain_args, **plain_kwargs)
         if func._schema.is_mutable and isinstance(args[0], cls):
             return args[0]  # in-place (optimizer step, load_state_dict's copy_): the weight itself
         if func is aten.detach.default or func in _WEIGHT_PRESERVING_OPS:
-            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, recipe), out)
+            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, *route), out)
         return out
 
     # FSDP2's all-gather extension. "rowwise": the plain data travels and the wrapper is rebuilt around
@@ -477,7 +485,7 @@ class FP8FlowExpertWeight(torch.Tensor):
             return post_all_gather(tuple(all_gather_outputs), param_dtype, out)
         (data,) = all_gather_outputs
         if out is None:
-            return FP8FlowExpertWeight(data, self.recipe), (data,)
+            return FP8FlowExpertWeight(data, self.recipe, self.offs_aligned), (data,)
         refresh_unsharded(out, FP8FlowExpertWeight, (data,), lambda w: (w._data,))
         return None
 
@@ -490,12 +498,16 @@ def _plain_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, loc
 
 
 def wrap_expert_weights(
-    module: nn.Module, recipe: str = "blockwise", names: tuple[str, ...] = ("w1", "w2", "w3")
+    module: nn.Module,
+    recipe: str = "blockwise",
+    names: tuple[str, ...] = ("w1", "w2", "w3"),
+    offs_aligned: bool = False,
 ) -> nn.Module:
     """Wrap ``module``'s expert weights (``[E, N, K]`` parameters ``names``) in :class:`FP8FlowExpertWeight`.
 
-    Each ``torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)`` on them then runs in FP8 (groups
-    128-aligned, see :mod:`fp8flow_ao.grouped_mm`). Parameter objects are replaced (build the
+    Each ``torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)`` on them then runs in FP8 (any group
+    offsets; ``offs_aligned=True`` when the model already pads every group to 128 rows, see
+    :mod:`fp8flow_ao.grouped_mm`). Parameter objects are replaced (build the
     optimizer afterwards); ``module.state_dict()`` keeps its keys and holds plain tensors. Raises
     ``ValueError`` if a weight is already wrapped or is not 3-D.
     """
@@ -505,7 +517,7 @@ def wrap_expert_weights(
             raise ValueError(f"{type(module).__name__}.{name} is already an FP8FlowExpertWeight (converted twice?)")
         if not isinstance(param, torch.Tensor) or param.dim() != 3:
             raise ValueError(f"{type(module).__name__}.{name} must be a 3-D expert weight [E, N, K], got {param!r:.80}")
-        wrapped = FP8FlowExpertWeight(param.data, recipe)
+        wrapped = FP8FlowExpertWeight(param.data, recipe, offs_aligned)
         setattr(module, name, nn.Parameter(wrapped, requires_grad=param.requires_grad))
     module.register_state_dict_post_hook(_plain_state_dict_hook)
     return module
