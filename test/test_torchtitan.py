@@ -317,3 +317,35 @@ def test_trainer_with_activation_checkpointing_matches_no_checkpointing(
     checkpointed = cpu.train([*common, *flags, "--job.dump_folder", str(tmp_path / mode)], False)
     assert len(checkpointed) == 2 and all(map(math.isfinite, checkpointed))
     assert checkpointed == plain
+
+
+def _torchrun_cpu_losses(config: Path, dump: Path, corpus: Path, *flags: str) -> list[float]:
+    """Two CPU processes under ``torchrun`` (gloo), as a user launches torchtitan: the logged losses."""
+    import re
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(cpu._free_port()),
+        "-m", "fp8flow_ao.torchtitan.cpu", "--job.config_file", str(config), "--job.dump_folder", str(dump),
+        "--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--training.mixed_precision_param", "float32", "--training.dataset_path", str(corpus.parent),
+        "--model.hf_assets_path", str(assets.TOKENIZER_DIR), *flags,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    assert proc.returncode == 0, log[-4000:]
+    return [
+        float(v) for _, v in sorted(set(re.findall(r"step:\s+(\d+)\s+loss:\s+([\d.]+)", log)), key=lambda t: int(t[0]))
+    ]
+
+
+def test_expert_parallel_under_torchrun_trains_like_bf16(tmp_path: Path, corpus: Path) -> None:
+    """The shipped TOMLs with torchtitan's own ``expert_parallel_degree 2`` (x FSDP2 over the same 2
+    ranks), launched by torchrun on 2 gloo processes: FP8-Flow (FP8 dispatch) trains and tracks BF16."""
+    flags = ("--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2")
+    bf16_toml, fp8_toml = pair("deepseek_v3_debug")
+    bf16 = _torchrun_cpu_losses(bf16_toml, tmp_path / "bf16", corpus, *flags)
+    fp8 = _torchrun_cpu_losses(fp8_toml, tmp_path / "fp8flow", corpus, *flags)
+    assert len(bf16) == len(fp8) == 3 and fp8[-1] < fp8[0]
+    assert all(abs(f - b) <= 0.01 * b for f, b in zip(fp8, bf16, strict=True)), (fp8, bf16)

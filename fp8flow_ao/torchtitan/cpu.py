@@ -13,6 +13,9 @@ Two things stop torchtitan on the CPU, and both are patched here for the duratio
    loaded torchtitan module to ``"cpu"``, a stub module and "no"; gloo serves the one-process group.
 3. Its token-group padding (``generate_permute_indices``) launches a Triton kernel unless told
    ``use_cpu=True``; on a GPU machine that kernel refuses CPU tensors, so the block passes it.
+4. Under ``torchrun`` (several CPU processes, e.g. FSDP2 or expert parallelism over gloo) its
+   ``disable_fsdp_gradient_division`` makes FSDP2 reduce-scatter with ``PREMUL_SUM``, which gloo
+   lacks: the block forces a plain sum (the factor is 1). The launcher's rank variables are kept.
 
 ``python -m fp8flow_ao.torchtitan.cpu --job.config_file torchtitan_configs/deepseek_v3_debug_fp8flow.toml
 --training.steps 2 --training.seq_len 64 --training.local_batch_size 2`` trains on the CPU.
@@ -72,11 +75,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rebind_in_torchtitan(overrides: dict[str, object]) -> list[tuple[types.ModuleType, str, object]]:
-    """Set each name of ``overrides`` in every loaded torchtitan module that bound torchtitan.tools.utils' object."""
-    from torchtitan.tools import utils
-
-    originals = {name: getattr(utils, name) for name in overrides}
+def _rebind_in_torchtitan(
+    overrides: dict[str, object], source: types.ModuleType
+) -> list[tuple[types.ModuleType, str, object]]:
+    """Set each name of ``overrides`` in every loaded torchtitan module that bound ``source``'s object."""
+    originals = {name: getattr(source, name) for name in overrides}
     saved = []
     for module in [m for n, m in sys.modules.items() if n == "torchtitan" or n.startswith("torchtitan.")]:
         for name, value in overrides.items():
@@ -98,17 +101,22 @@ def torchtitan_on_cpu(model_name: str | None = None) -> Iterator[None]:
         from torchtitan.protocols.train_spec import get_train_spec
 
         get_train_spec(model_name)
+    # Under torchrun the launcher's rank variables stand (several gloo processes); alone, one process.
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env = {k: os.environ.get(k, v) for k, v in env.items()}
     env["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
     saved_env = {k: os.environ.get(k) for k in env}
     overrides = {"device_type": "cpu", "device_module": _cpu_device_module(), "has_cuda_capability": _no_capability}
+    from torchtitan.models.llama3.infra import parallelize as tt_fsdp
     from torchtitan.models.moe import utils as moe_utils
+    from torchtitan.tools import utils as tt_utils
 
     saved = [(moe_utils, "generate_permute_indices", moe_utils.generate_permute_indices)]
     try:
         os.environ.update(env)
         moe_utils.generate_permute_indices = functools.partial(saved[0][2], use_cpu=True)
-        saved += _rebind_in_torchtitan(overrides)
+        saved += _rebind_in_torchtitan(overrides, tt_utils)
+        saved += _rebind_in_torchtitan({"disable_fsdp_gradient_division": _fsdp_sum_without_division}, tt_fsdp)
         with integer_histc():
             yield
     finally:
@@ -121,6 +129,17 @@ def torchtitan_on_cpu(model_name: str | None = None) -> Iterator[None]:
                 os.environ[k] = v
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _fsdp_sum_without_division(model: torch.nn.Module) -> None:
+    """torchtitan's ``disable_fsdp_gradient_division`` for gloo: a divide factor of 1 becomes a
+    ``PREMUL_SUM`` reduce-scatter, which gloo lacks; a plain sum is the same reduction."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def _no_capability(major: int, minor: int) -> bool:
