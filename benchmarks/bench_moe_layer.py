@@ -32,8 +32,9 @@ output itself; weights allocated before are not counted, FP8 weight copies made 
 and their estimated size is reported beside it: at the DeepSeek-like shape they are about 1.4 GB)
 and its ratio to BF16's, with and without those copies; peak memory of forward + backward above
 the resident state. A second table (``moe_layer_stages``) splits FP8-Flow's device time by op from a torch.profiler trace: GEMMs
-are named by their shapes (FC1/FC2, forward/dgrad/wgrad), everything that is not an ``fp8flow::``
-op (router, top-k, gathers, inductor-fused elementwise) is "other".
+are named by their shapes (FC1/FC2, forward/dgrad/wgrad); every kernel that no ``fp8flow::`` op launched
+(router, top-k, gathers, inductor-fused elementwise) is an "other: <kernel> [<launching op>]" row, the
+largest ones by name; "idle" is the timed step less the device time of every kernel.
 
 Targets (issue 4): >= 1.6x BF16 (DeepSeek-like), >= 1.4x BF16 (Qwen-like), >= 1.3x torchao
 row-wise; activation memory <= 50% of BF16's, <= 20% with recompute. Rows carry ``target`` and
@@ -83,6 +84,7 @@ SPEEDUP_TARGETS = {
 # activation memory / BF16's; fp8flow_wt_forward trades memory (its FP8 weight transposes) for speed
 MEMORY_TARGETS = {"fp8flow": 0.5, "fp8flow_recompute": 0.2}
 PROFILE_ITERS = 5
+OTHER_NAMED = 12  # kernels outside our ops named one by one in the stage table
 
 
 class Block(nn.Module):
@@ -275,10 +277,9 @@ def _gemm_label(name: str, shapes: list, shape: MoEShape) -> str:
 def stage_breakdown(
     block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], shape: MoEShape, step_us: float
 ) -> dict[str, float]:
-    """Device microseconds per forward + backward by ``fp8flow::`` op (outermost calls only), plus "other".
-
-    "other" is the timed step (``step_us``, CUDA events) less the ops: summing the profiler's device
-    events double-counted (the 2026-11-22 H200 run's sum came to ~1.9x the timed step).
+    """Device microseconds per forward + backward by ``fp8flow::`` op (outermost calls only), by kernel
+    for the rest ("other: ..."), and "idle": the timed step (``step_us``, CUDA events) less the device
+    time of every kernel (each device event counted once, deduplicated by name and start time).
 
     Kernels are charged to the op that launched them (the profiler's correlation). Should the trace
     link no kernel to an op, Triton kernels are named by their function instead (``_<op>_kernel``).
@@ -296,7 +297,7 @@ def stage_breakdown(
             step(x, dy)
         torch.cuda.synchronize()
     events = prof.events()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    kernels = _device_kernels(events)
     stages: dict[str, float] = defaultdict(float)
     for e in events:
         if e.device_type == DeviceType.CPU and e.name.startswith("fp8flow::") and not _has_fp8flow_ancestor(e):
@@ -310,8 +311,45 @@ def stage_breakdown(
             if match := re.fullmatch(r"_(\w+)_kernel", k.name):
                 stages[match.group(1)] += k.device_time_total
     per_step = {k: v / PROFILE_ITERS for k, v in stages.items()}
-    per_step["other (router, top-k, gathers, inductor kernels, gaps)"] = step_us - sum(per_step.values())
+    other = _other_kernels(events, kernels)
+    per_step.update({f"other: {name}": us / PROFILE_ITERS for name, us in other.items()})
+    kernel_us = sum(k.device_time_total for k in kernels) / PROFILE_ITERS
+    per_step["idle (timed step less every kernel of the profiled steps)"] = step_us - kernel_us
     return dict(sorted(per_step.items(), key=lambda kv: -kv[1]))
+
+
+def _device_kernels(events) -> list:
+    """The trace's device events, each once (deduplicated by name and start time)."""
+    from torch.autograd import DeviceType
+
+    return list({(e.name, e.time_range.start): e for e in events if e.device_type == DeviceType.CUDA}.values())
+
+
+def _other_kernels(events, kernels: list, named: int = OTHER_NAMED) -> dict[str, float]:
+    """Device microseconds (all profiled steps) of the kernels no ``fp8flow::`` op launched, by kernel.
+
+    A kernel's launcher is the frontend CPU event (one with no linked id: runtime calls such as
+    ``cudaLaunchKernel`` have one, and their own ids count separately) whose id the kernel links to;
+    the kernel is ours when that event or an ancestor is an ``fp8flow::`` op. The ``named`` largest kernels keep their names (with the launching
+    op, e.g. ``aten::mm``, or the inductor graph), the rest are summed in one row that says how many.
+    """
+    from torch.autograd import DeviceType
+
+    launcher = {
+        e.id: e for e in events if e.device_type == DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)
+    }
+    by_kernel: dict[str, float] = defaultdict(float)
+    for k in kernels:
+        cpu = launcher.get(getattr(k, "linked_correlation_id", 0))
+        if cpu is not None and (cpu.name.startswith("fp8flow::") or _has_fp8flow_ancestor(cpu)):
+            continue
+        via = cpu.name if cpu is not None else "unlinked"
+        by_kernel[f"{k.name[:70]} [{via[:40]}]"] += k.device_time_total
+    ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1])
+    out = dict(ranked[:named])
+    if rest := ranked[named:]:
+        out[f"{len(rest)} smaller kernels"] = sum(us for _, us in rest)
+    return out
 
 
 def _has_fp8flow_ancestor(event) -> bool:
@@ -354,7 +392,7 @@ def prepare(name: str) -> Case:
     return Case(name, shape, tokens, build_bf16(shape), inputs, FixedRouting(tokens, shape.top_k), {})
 
 
-def run_variant(case: Case, variant: str, repeats: int) -> list[dict]:
+def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> list[dict]:
     """Compile ``variant`` of ``case`` once, measure it under every routing; FP8-Flow's stage rows."""
     block = convert(case.base, variant)
     install_routing(block, case.fixed)
@@ -364,7 +402,12 @@ def run_variant(case: Case, variant: str, repeats: int) -> list[dict]:
         case.fixed.set(routing(kind, case.tokens, case.shape.top_k, case.shape.experts))
         case.results[kind, variant] = measure(compiled, case.inputs, repeats)
         if variant in OURS and kind == "balanced":
-            stages = stage_breakdown(compiled, case.inputs, case.shape, case.results[kind, variant].us)
+            try:
+                stages = stage_breakdown(compiled, case.inputs, case.shape, case.results[kind, variant].us)
+            except Exception:  # the profile is diagnostic: its failure must not drop the timings
+                traceback.print_exc()
+                notes.append(f"{case.name}/{variant}: stage breakdown failed (traceback in the log).")
+                continue
             total = sum(stages.values())
             stage_rows += [
                 row(
@@ -393,7 +436,7 @@ def run_all(
                 continue
             start = time.monotonic()
             try:
-                stage_rows += run_variant(case, variant, repeats)
+                stage_rows += run_variant(case, variant, repeats, notes)
             except Exception as exc:  # one variant failing must not hide the others' numbers
                 first_line = str(exc).splitlines()[0][:300].rstrip(".") if str(exc) else ""
                 notes.append(f"{case.name}/{variant}: failed: {type(exc).__name__}: {first_line}.")
