@@ -319,36 +319,51 @@ def stage_breakdown(
 
 
 def _device_kernels(events) -> list:
-    """The trace's device events, each once (deduplicated by name and start time)."""
+    """The trace's kernels, each once (deduplicated by name and start time), without the device-side
+    copies of annotations (``## Call CompiledFxGraph ... ##`` spans the kernels of a whole graph)."""
     from torch.autograd import DeviceType
 
-    return list({(e.name, e.time_range.start): e for e in events if e.device_type == DeviceType.CUDA}.values())
+    found = {(e.name, e.time_range.start): e for e in events if e.device_type == DeviceType.CUDA}
+    return [e for e in found.values() if not e.name.startswith("## ")]
 
 
 def _other_kernels(events, kernels: list, named: int = OTHER_NAMED) -> dict[str, float]:
     """Device microseconds (all profiled steps) of the kernels no ``fp8flow::`` op launched, by kernel.
 
-    A kernel's launcher is the frontend CPU event (one with no linked id: runtime calls such as
-    ``cudaLaunchKernel`` have one, and their own ids count separately) whose id the kernel links to;
-    the kernel is ours when that event or an ancestor is an ``fp8flow::`` op. The ``named`` largest kernels keep their names (with the launching
-    op, e.g. ``aten::mm``, or the inductor graph), the rest are summed in one row that says how many.
+    Per kernel name: its time in the trace less the time the profiler links to ``fp8flow::`` ops
+    (their launches and their children's; the same links that time the ops' rows). Each row names
+    the op that launched the kernel most often (e.g. ``aten::copy_``). The ``named`` largest keep
+    their names, the rest are summed in one row that says how many.
     """
     from torch.autograd import DeviceType
 
-    launcher = {
-        e.id: e for e in events if e.device_type == DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)
-    }
-    by_kernel: dict[str, float] = defaultdict(float)
+    total: dict[str, float] = defaultdict(float)
     for k in kernels:
-        cpu = launcher.get(getattr(k, "linked_correlation_id", 0))
-        if cpu is not None and (cpu.name.startswith("fp8flow::") or _has_fp8flow_ancestor(cpu)):
+        total[k.name] += k.device_time_total
+    ours: dict[str, float] = defaultdict(float)
+    launchers: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for e in events:
+        if e.device_type != DeviceType.CPU or not e.kernels:
             continue
-        via = cpu.name if cpu is not None else "unlinked"
-        by_kernel[f"{k.name[:70]} [{via[:40]}]"] += k.device_time_total
-    ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1])
-    out = dict(ranked[:named])
-    if rest := ranked[named:]:
-        out[f"{len(rest)} smaller kernels"] = sum(us for _, us in rest)
+        mine = e.name.startswith("fp8flow::") or _has_fp8flow_ancestor(e)
+        for k in e.kernels:
+            if mine:
+                ours[k.name] += k.duration
+            elif not e.name.startswith("Activity Buffer"):  # profiler bookkeeping sharing an id
+                launchers[k.name][e.name] += 1
+    rest = {name: us - ours.get(name, 0.0) for name, us in total.items()}
+    ranked = sorted(((n, us) for n, us in rest.items() if us > 0.5), key=lambda kv: -kv[1])
+
+    def label(name: str) -> str:
+        by = launchers.get(name)
+        via = max(by, key=by.get) if by else "launcher unknown"
+        functor = re.findall(r"at::native::(?:\w+::)*(\w+)", name)
+        short = f"{name[:60]} .. {functor[-1]}" if len(name) > 80 and functor else name[:80]
+        return f"{short} [{via[:40]}]"
+
+    out = {label(n): us for n, us in ranked[:named]}
+    if ranked[named:]:
+        out[f"{len(ranked) - named} smaller kernels"] = sum(us for _, us in ranked[named:])
     return out
 
 

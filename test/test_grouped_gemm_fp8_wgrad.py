@@ -114,6 +114,28 @@ def test_accumulate_into_adds_a_fresh_wgrad_in_fp32(out_dtype, launch):
     assert rel_error(into, ref) < TOLERANCE[out_dtype]
 
 
+@pytest.mark.parametrize(("n", "n_chunks"), [(256, 2), (384, 3)])
+def test_n_chunks_stores_each_chunk_of_every_expert_contiguously(launch, n, n_chunks):
+    """``n_chunks``: the same tiles, the same bits, only the rows' places change:
+    ``out[c, e] == unchunked[e, c * N/n_chunks : (c + 1) * N/n_chunks]``; empty experts stay zero."""
+    counts = [300, 0, 129, 60]
+    args = make_operands(counts, n, 256, extra_rows=16)
+    whole = launch(*args, torch.bfloat16)
+    out = launch(*args, torch.bfloat16, n_chunks=n_chunks)
+    assert out.shape == (n_chunks, len(counts), n // n_chunks, 256) and out.is_contiguous()
+    assert torch.equal(out, whole.view(len(counts), n_chunks, n // n_chunks, 256).transpose(0, 1))
+    ref = grouped_gemm_fp8_wgrad_reference(*(t.cpu() for t in args), torch.bfloat16, n_chunks=n_chunks)
+    assert torch.equal(
+        ref,
+        grouped_gemm_fp8_wgrad_reference(*(t.cpu() for t in args), torch.bfloat16)
+        .view(len(counts), n_chunks, n // n_chunks, 256)
+        .transpose(0, 1),
+    )
+    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
+    chunks = grouped_gemm_fp8_wgrad(*args, torch.bfloat16, n_chunks=n_chunks).unbind(0)
+    assert all(c.is_contiguous() for c in chunks)  # e.g. w1's and w3's gradients, each its own weight
+
+
 def test_accumulate_zero_rows_leaves_the_gradient():
     a_t = torch.empty(128, 0, dtype=FP8_DTYPE, device=DEVICE)
     b_t = torch.empty(256, 0, dtype=FP8_DTYPE, device=DEVICE)
@@ -318,6 +340,21 @@ BAD = [
 def test_bad_input(override, error, match):
     with pytest.raises(error, match=match):
         grouped_gemm_fp8_wgrad(**{**_good(), **override})
+
+
+@pytest.mark.parametrize(
+    ("n_chunks", "into", "match"),
+    [(0, False, "n_chunks must be"), (2, False, "into multiples of 128"), (3, False, "into multiples of 128"),
+     (2, True, "accumulate_into takes the")],
+)  # fmt: skip
+def test_bad_n_chunks(n_chunks, into, match):
+    good = _good()  # N = 128: one chunk only
+    if into:
+        good["a_t"] = torch.zeros(256, 256, dtype=FP8_DTYPE)
+        good["a_t_scale"] = torch.ones(2, 256)
+        into = torch.zeros(good["group_end_offsets"].shape[0], 256, good["b_t"].shape[0])
+    with pytest.raises(ValueError, match=match):
+        grouped_gemm_fp8_wgrad(**good, n_chunks=n_chunks, accumulate_into=into if into is not False else None)
 
 
 def test_bad_out_dtype():

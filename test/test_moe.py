@@ -289,3 +289,21 @@ def test_gpu_kernels_match_bf16_layer_without_sync(routing, recompute):
     moe.compile(fullgraph=True)
     compiled = run_step(moe, x, grad)
     assert sqnr_db(expected["out"], compiled["out"]) >= 25
+
+
+def test_weight_gradients_leave_the_function_contiguous():
+    """w1's and w3's gradients come out of FC1's wgrad as two contiguous tensors, not strided halves
+    of one [E, 2H, D] result (autograd would copy those into the parameters' layout: ~2 ms per
+    DeepSeek-like step). ``autograd.grad`` returns the Function's gradients as they are."""
+    experts, dim, hidden, tokens, top_k = 4, 256, 128, 64, 2
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    x = torch.randn(tokens, dim, device=DEVICE, generator=g).to(torch.bfloat16)
+    w1, w3 = (torch.randn(experts, hidden, dim, device=DEVICE, generator=g).to(torch.bfloat16) for _ in range(2))
+    w2 = torch.randn(experts, dim, hidden, device=DEVICE, generator=g).to(torch.bfloat16)
+    scores = torch.rand(tokens, top_k, device=DEVICE, generator=g)
+    ids = torch.randint(0, experts, (tokens, top_k), device=DEVICE, generator=g)
+    weights = [w.requires_grad_() for w in (w1, w2, w3)]
+    out = fp8flow_routed_experts(x, scores, ids, *weights)
+    grads = torch.autograd.grad(out, weights, torch.randn_like(out))
+    for name, w, grad in zip(("w1", "w2", "w3"), weights, grads, strict=True):
+        assert grad.shape == w.shape and grad.is_contiguous(), name

@@ -18,6 +18,12 @@ epilogue loads the stored tile, adds the fp32 accumulator and stores the sum in 
 wgrad accumulation does). That form is its own op, ``fp8flow::grouped_gemm_fp8_wgrad_accumulate``,
 declared as mutating ``accumulate_into``.
 
+``n_chunks`` splits the output's N rows into equal chunks stored one after another, each holding
+every expert: ``[n_chunks, E, N / n_chunks, K]``. FC1's gradient ``[E, 2H, D]`` written as
+``[2, E, H, D]`` gives w1's and w3's gradients as two contiguous tensors (``unbind(0)``): a view
+of ``[E, 2H, D]`` halves is strided, and autograd copies a strided gradient into the parameter's
+layout (~2 ms per DeepSeek-like step, measured in the layer's profile).
+
 * ``sm90`` (Gluon, Hopper only, the CUDA default there): warp-specialized like the forward's sm90
   kernel (``_sm90_common``), 128x256 (or 128x128) tiles: a producer warp loads the operand tiles
   AND each block's two scale rows by TMA into the ring, so the consumers read scales from shared
@@ -41,6 +47,7 @@ from fp8flow_ao._checks import (
     check_fp8,
     check_group_end_offsets,
     check_multiple,
+    check_positive_int,
     check_same_device,
     check_shape,
     check_tensor,
@@ -92,6 +99,12 @@ INTERPRET_CONFIG = gemm_config(128, 128, num_warps=8, num_stages=1, group_m=2)
 
 
 @triton.jit
+def _out_row(e, n, E, N_CHUNK):
+    """Row of output row ``n`` of expert ``e`` in the ``[N / N_CHUNK, E, N_CHUNK, K]`` output."""
+    return ((n // N_CHUNK) * E + e) * N_CHUNK + n % N_CHUNK
+
+
+@triton.jit
 def _grouped_gemm_fp8_wgrad_kernel(
     a_ptr,
     a_scale_ptr,
@@ -103,6 +116,7 @@ def _grouped_gemm_fp8_wgrad_kernel(
     N,
     K,
     E,
+    N_CHUNK,
     stride_a,
     stride_b,
     ACCUMULATE: tl.constexpr,
@@ -115,8 +129,9 @@ def _grouped_gemm_fp8_wgrad_kernel(
 
     a = dY^T ``[N, M]`` (row stride ``stride_a``), a_scale ``[M/128, N]`` contiguous,
     b = X^T ``[K, M]`` (row stride ``stride_b``), b_scale ``[M/128, K]`` contiguous,
-    out ``[E, N, K]`` contiguous, ends ``[E]`` int32 group end offsets. Output tile = BLOCK_M rows
-    of N x BLOCK_N columns of K. ``ACCUMULATE``: out holds a gradient; store out + the tile's sum.
+    out contiguous ``[N / N_CHUNK, E, N_CHUNK, K]`` (``[E, N, K]`` when ``N_CHUNK == N``), ends ``[E]``
+    int32 group end offsets. Output tile = BLOCK_M rows of N x BLOCK_N columns of K (BLOCK_M divides
+    N_CHUNK). ``ACCUMULATE``: out holds a gradient; store out + the tile's sum.
     """
     row_blocks = tl.cdiv(M, BLOCK_K)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, M], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -146,14 +161,19 @@ def _grouped_gemm_fp8_wgrad_kernel(
             sa = tl.load(a_scale_ptr + mb * N + cols_n, mask=cols_n < N, other=0.0)
             sb = tl.load(b_scale_ptr + mb * K + cols_k, mask=cols_k < K, other=0.0)
             acc = tl.dot(a, b.T) * (sa[:, None] * sb[None, :]) + acc
+        row = _out_row(e, n0, E, N_CHUNK)
         if ACCUMULATE:
-            acc += out_desc.load([e * N + n0, k0]).to(tl.float32)
-        out_desc.store([e * N + n0, k0], acc.to(out_ptr.dtype.element_ty))
+            acc += out_desc.load([row, k0]).to(tl.float32)
+        out_desc.store([row, k0], acc.to(out_ptr.dtype.element_ty))
 
 
 # restore_value: autotuning runs the kernel once per config; with ACCUMULATE each run would add into
 # the gradient again, so the autotuner saves and restores the output around its trial runs.
 _grouped_gemm_fp8_wgrad_tuned = autotuned(WGRAD_CONFIGS, restore_value=["out_ptr"])(_grouped_gemm_fp8_wgrad_kernel)
+
+
+def _out_shape(e: int, n: int, k: int, n_chunks: int) -> tuple[int, ...]:
+    return (e, n, k) if n_chunks == 1 else (n_chunks, e, n // n_chunks, k)
 
 
 def _output_and_dims(
@@ -162,6 +182,7 @@ def _output_and_dims(
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype,
     accumulate_into: torch.Tensor | None,
+    n_chunks: int,
 ) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
     """Both launchers' start: the output (``accumulate_into`` when given; else zeros when there are
     no tokens, uninitialized otherwise), ``(M, N, K, E)``, and the operands' TMA checks when M > 0."""
@@ -171,7 +192,9 @@ def _output_and_dims(
     if accumulate_into is not None:
         out = accumulate_into
     else:
-        out = (torch.zeros if m == 0 else torch.empty)((e, n, k), dtype=out_dtype, device=a_t.device)
+        out = (torch.zeros if m == 0 else torch.empty)(
+            _out_shape(e, n, k, n_chunks), dtype=out_dtype, device=a_t.device
+        )
     if m > 0:
         check_tma_operand("a_t", a_t)
         check_tma_operand("b_t", b_t)
@@ -187,6 +210,7 @@ def launch_grouped_gemm_fp8_wgrad_triton(
     out_dtype: torch.dtype = torch.float32,
     config: triton.Config | None = None,
     accumulate_into: torch.Tensor | None = None,
+    n_chunks: int = 1,
 ) -> torch.Tensor:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`grouped_gemm_fp8_wgrad`
     (``out_dtype`` must be ``accumulate_into``'s dtype when that is given; it is returned, updated).
@@ -194,7 +218,7 @@ def launch_grouped_gemm_fp8_wgrad_triton(
     ``config`` pins one launch config (tests, config sweeps); by default the GPU autotunes over
     :data:`WGRAD_CONFIGS` and the interpreter runs :data:`INTERPRET_CONFIG`.
     """
-    out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype, accumulate_into)
+    out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype, accumulate_into, n_chunks)
     if m == 0:
         return out
     set_tma_workspace_allocator(a_t.device)
@@ -214,6 +238,7 @@ def launch_grouped_gemm_fp8_wgrad_triton(
         n,
         k,
         e,
+        n // n_chunks,
         a_t.stride(0),
         b_t.stride(0),
         config=INTERPRET_CONFIG if config is None and interpreting() else config,
@@ -318,7 +343,7 @@ def _wgrad_consumer(
     outer product of the block's row scales (N) and column scales (K), read from the ring just
     before each use (a 128x256 tile's column scales are never all held in registers)."""
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn = ring
-    out_desc, out_bufs, out_ptr = out
+    out_desc, out_bufs, out_ptr, N_CHUNK = out
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -351,7 +376,8 @@ def _wgrad_consumer(
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = part * sa[:, None] * sb[None, :] + acc1
             it += 1
-        row = e * N + pid_n * SM90_BLOCK + WG * WG_ROWS
+        n0 = pid_n * SM90_BLOCK  # tiles never straddle a chunk: N_CHUNK is a multiple of 128
+        row = ((n0 // N_CHUNK) * E + e) * N_CHUNK + n0 % N_CHUNK + WG * WG_ROWS
         col = pid_k * BLOCK_N
         sm90_store(out_desc, out_s, _plus_stored(acc0, out_ptr, row, col, K, mma, ACCUMULATE), row, col)
         if HALVES == 2:
@@ -373,6 +399,7 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     N,
     K,
     E,
+    N_CHUNK,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     ORDERED: gl.constexpr,
@@ -382,8 +409,8 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
 
     a_desc: dY^T ``[N, M]`` E4M3, 128x128 boxes; b_desc: X^T ``[K, M]`` E4M3, BLOCK_Nx128 boxes;
     sa_desc / sb_desc: their scales ``[M/128, N]`` / ``[M/128, K]`` fp32 flattened, 128 / BLOCK_N boxes; out_desc:
-    ``[E * N, K]`` (the ``[E, N, K]`` output flattened), 64x128 boxes; out_ptr: the same output
-    (read by the epilogue when ``ACCUMULATE``: store out + the tile's sum); ends ``[E]`` int32.
+    ``[E * N, K]`` (the ``[N / N_CHUNK, E, N_CHUNK, K]`` output flattened), 64x128 boxes; out_ptr: the
+    same output (read by the epilogue when ``ACCUMULATE``: store out + the tile's sum); ends ``[E]`` int32.
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -393,7 +420,7 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     ready, empty, turn = sm90_ring_barriers(STAGES)
     ring = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn)
     problem = (ends_ptr, M, N, K, E)
-    out = (out_desc, out_bufs, out_ptr)
+    out = (out_desc, out_bufs, out_ptr, N_CHUNK)
     gl.warp_specialize(
         [
             (_wgrad_consumer, (0, GROUP_M, ORDERED, ACCUMULATE, ring, out, problem)),
@@ -414,6 +441,7 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
     out_dtype: torch.dtype = torch.float32,
     config: Sm90Config | None = None,
     accumulate_into: torch.Tensor | None = None,
+    n_chunks: int = 1,
 ) -> torch.Tensor:
     """Gluon launcher (Hopper GPUs only). Same contract as :func:`launch_grouped_gemm_fp8_wgrad_triton`.
 
@@ -422,7 +450,7 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
     k = b_t.shape[0]
     config = config or sm90_wgrad_default_config(k)
     check_sm90_launch(a_t.device, config, k, out_dtype, sm90_smem_bytes(config, out_dtype))
-    out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype, accumulate_into)
+    out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype, accumulate_into, n_chunks)
     if m == 0:
         return out
     check_tma_operand("a_t_scale", a_t_scale)  # the scales arrive by TMA too
@@ -441,6 +469,7 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
         n,
         k,
         e,
+        n // n_chunks,
         GROUP_M=config.group_m,
         STAGES=config.stages,
         ORDERED=config.ordered,
@@ -463,7 +492,7 @@ def build_sm90_wgrad_kernel(config: Sm90Config, out_dtype: torch.dtype, accumula
         "out_desc": descriptor_signature((64, BLOCK), out_dtype),
         "out_ptr": {torch.float32: "*fp32", torch.bfloat16: "*bf16"}[out_dtype],
         "ends_ptr": "*i32",
-        **dict.fromkeys(("M", "N", "K", "E"), "i32"),
+        **dict.fromkeys(("M", "N", "K", "E", "N_CHUNK"), "i32"),
         **dict.fromkeys(("GROUP_M", "STAGES", "ORDERED", "ACCUMULATE"), "constexpr"),
     }
     constexprs = {
@@ -494,9 +523,11 @@ def grouped_gemm_fp8_wgrad_reference(
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype = torch.float32,
     accumulate_into: torch.Tensor | None = None,
+    n_chunks: int = 1,
 ) -> torch.Tensor:
     """Torch reference (the oracle and the CPU path): dequantize, then one fp32 matmul per expert;
-    with ``accumulate_into``, plus its values in fp32, rounded once (a new tensor: it is not mutated).
+    with ``accumulate_into``, plus its values in fp32, rounded once (a new tensor: it is not mutated);
+    with ``n_chunks > 1``, laid out ``[n_chunks, E, N / n_chunks, K]``.
 
     Rows of each operand outside every group (at or past the last end) are masked out, so they are
     never part of any expert's sum.
@@ -514,6 +545,9 @@ def grouped_gemm_fp8_wgrad_reference(
     total = torch.stack(out)
     if accumulate_into is not None:
         total = total + accumulate_into.float()
+    if n_chunks > 1:
+        e, n, k = total.shape
+        total = total.view(e, n_chunks, n // n_chunks, k).transpose(0, 1).contiguous()
     return total.to(out_dtype)
 
 
@@ -525,11 +559,17 @@ def _grouped_gemm_fp8_wgrad_op(
     b_t_scale: torch.Tensor,
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype,
+    n_chunks: int = 1,
 ) -> torch.Tensor:
-    return grouped_gemm_fp8_wgrad_reference(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
+    args = (a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
+    return grouped_gemm_fp8_wgrad_reference(*args, n_chunks=n_chunks)
 
 
-_grouped_gemm_fp8_wgrad_op.register_kernel("cuda")(launch_grouped_gemm_fp8_wgrad)
+@_grouped_gemm_fp8_wgrad_op.register_kernel("cuda")
+def _(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype, n_chunks=1) -> torch.Tensor:
+    return launch_grouped_gemm_fp8_wgrad(
+        a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype, n_chunks=n_chunks
+    )
 
 
 @_grouped_gemm_fp8_wgrad_op.register_fake
@@ -540,8 +580,10 @@ def _(
     b_t_scale: torch.Tensor,
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype,
+    n_chunks: int = 1,
 ) -> torch.Tensor:
-    return a_t.new_empty((group_end_offsets.shape[0], a_t.shape[0], b_t.shape[0]), dtype=out_dtype)
+    shape = _out_shape(group_end_offsets.shape[0], a_t.shape[0], b_t.shape[0], n_chunks)
+    return a_t.new_empty(shape, dtype=out_dtype)
 
 
 @torch.library.custom_op("fp8flow::grouped_gemm_fp8_wgrad_accumulate", mutates_args=("accumulate_into",))
@@ -577,6 +619,7 @@ def _check_inputs(
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype,
     accumulate_into: torch.Tensor | None,
+    n_chunks: int,
 ) -> None:
     check_fp8("a_t", a_t, ndim=2)
     check_fp8("b_t", b_t, ndim=2)
@@ -589,6 +632,11 @@ def _check_inputs(
     if mb != m:
         raise ValueError(f"b_t must have M = {m} (a_t's dim 1) tokens in dim 1, got shape {tuple(b_t.shape)}")
     check_multiple("a_t", n, what="N (dim 0)")
+    check_positive_int("n_chunks", n_chunks)
+    if n % (n_chunks * BLOCK):
+        raise ValueError(f"n_chunks={n_chunks} must split N = {n} (a_t's dim 0) into multiples of {BLOCK} rows")
+    if n_chunks > 1 and accumulate_into is not None:
+        raise ValueError("accumulate_into takes the [E, N, K] layout only: pass n_chunks=1 with it")
     check_multiple("b_t", k, what="K (dim 0)")
     check_multiple("a_t", m, _M_ALIGN, what="M (dim 1, the contiguous token dim; TMA row alignment)")
     check_group_end_offsets("group_end_offsets", group_end_offsets, rows=m)
@@ -621,6 +669,7 @@ def grouped_gemm_fp8_wgrad(
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype | None = None,
     accumulate_into: torch.Tensor | None = None,
+    n_chunks: int = 1,
 ) -> torch.Tensor:
     """Blockwise FP8 grouped weight gradient: ``out[e] = dequant(a_t)[:, rows_e] @ dequant(b_t)[:, rows_e]^T``.
 
@@ -642,18 +691,21 @@ def grouped_gemm_fp8_wgrad(
             it, no cast follows). ``None``: ``accumulate_into``'s dtype, else fp32.
         accumulate_into: optional ``[E, N, K]`` contiguous ``out_dtype`` tensor (an existing weight
             gradient) to add the result into, in place (``fp8flow::grouped_gemm_fp8_wgrad_accumulate``).
+        n_chunks: store the N rows as this many equal chunks, ``[n_chunks, E, N / n_chunks, K]``
+            (each chunk a multiple of 128 rows; not with ``accumulate_into``): 2 for FC1's
+            ``[w1; w3]`` gradient, so that ``out.unbind(0)`` gives each weight's contiguous gradient.
 
     Returns:
-        ``[E, N, K]`` contiguous ``out_dtype``: fp32 accumulation, each 128-token block's partial
+        ``[E, N, K]`` (``[n_chunks, E, N / n_chunks, K]``) contiguous ``out_dtype``: fp32 accumulation, each 128-token block's partial
         promoted by ``a_t_scale[mb, n] * b_t_scale[mb, k]``. An empty expert yields zeros (with
         ``accumulate_into``: leaves it unchanged); tokens at or past the last group end are never
         read. With ``accumulate_into``, that tensor itself, updated.
     """
     if out_dtype is None:
         out_dtype = accumulate_into.dtype if isinstance(accumulate_into, torch.Tensor) else torch.float32
-    _check_inputs(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype, accumulate_into)
+    _check_inputs(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype, accumulate_into, n_chunks)
     args = (a_t, a_t_scale, b_t, b_t_scale, group_end_offsets)
     if accumulate_into is not None:
         torch.ops.fp8flow.grouped_gemm_fp8_wgrad_accumulate(*args, accumulate_into)
         return accumulate_into
-    return torch.ops.fp8flow.grouped_gemm_fp8_wgrad(*args, out_dtype)
+    return torch.ops.fp8flow.grouped_gemm_fp8_wgrad(*args, out_dtype, n_chunks)
