@@ -276,10 +276,11 @@ def _gemm_label(name: str, shapes: list, shape: MoEShape) -> str:
 
 def stage_breakdown(
     block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], shape: MoEShape, step_us: float
-) -> dict[str, float]:
+) -> tuple[dict[str, float], float]:
     """Device microseconds per forward + backward by ``fp8flow::`` op (outermost calls only), by kernel
     for the rest ("other: ..."), and "idle": the timed step (``step_us``, CUDA events) less the device
-    time of every kernel (each device event counted once, deduplicated by name and start time).
+    time of every kernel (each device event counted once, deduplicated by name and start time);
+    and the host's microseconds to enqueue one step.
 
     Kernels are charged to the op that launched them (the profiler's correlation). Should the trace
     link no kernel to an op, Triton kernels are named by their function instead (``_<op>_kernel``).
@@ -291,6 +292,12 @@ def stage_breakdown(
     x, dy = inputs[0]
     for _ in range(3):
         step(x, dy)
+    torch.cuda.synchronize()
+    # Host time to enqueue a step: above the device time, the GPU waits for the host ("idle" below).
+    start = time.perf_counter()
+    for _ in range(PROFILE_ITERS):
+        step(x, dy)
+    host_us = 1e6 * (time.perf_counter() - start) / PROFILE_ITERS
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(PROFILE_ITERS):
@@ -315,7 +322,7 @@ def stage_breakdown(
     per_step.update({f"other: {name}": us / PROFILE_ITERS for name, us in other.items()})
     kernel_us = sum(k.device_time_total for k in kernels) / PROFILE_ITERS
     per_step["idle (timed step less every kernel of the profiled steps)"] = step_us - kernel_us
-    return dict(sorted(per_step.items(), key=lambda kv: -kv[1]))
+    return dict(sorted(per_step.items(), key=lambda kv: -kv[1])), host_us
 
 
 def _device_kernels(events) -> list:
@@ -418,7 +425,7 @@ def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> lis
         case.results[kind, variant] = measure(compiled, case.inputs, repeats)
         if variant in OURS and kind == "balanced":
             try:
-                stages = stage_breakdown(compiled, case.inputs, case.shape, case.results[kind, variant].us)
+                stages, host_us = stage_breakdown(compiled, case.inputs, case.shape, case.results[kind, variant].us)
             except Exception:  # the profile is diagnostic: its failure must not drop the timings
                 traceback.print_exc()
                 notes.append(f"{case.name}/{variant}: stage breakdown failed (traceback in the log).")
@@ -435,6 +442,16 @@ def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> lis
                 )
                 for name, us in stages.items()
             ]
+            stage_rows.append(
+                row(
+                    f"{case.shape.name} T={case.tokens} {kind} {variant}",
+                    host_us,
+                    "host CPU time to enqueue one step (not device time)",
+                    None,
+                    stage="host enqueue",
+                    share_pct=None,
+                )
+            )
     return stage_rows
 
 
