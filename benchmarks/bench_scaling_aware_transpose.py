@@ -3,11 +3,16 @@ of the naive dequantize -> transpose -> requantize path (BF16 in between), at th
 
 Bytes at the algorithmic minimum: read the data and scales of the rows before the last group end
 (``rows * K`` + ``rows * K / 128 * 4``), write every output once (``M * K`` + ``M / 128 * K * 4``,
-``M`` = the padded buffer's rows). Run: ``python benchmarks/bench_scaling_aware_transpose.py``.
+``M`` = the padded buffer's rows). ``--sweep`` times every launch configuration of
+``transpose_configs()`` instead of the baselines (balanced cases and the skewed M=16384 ones), to
+choose ``default_transpose_config``:
+
+    python benchmarks/bench_scaling_aware_transpose.py [--sweep]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -28,10 +33,12 @@ from _bench import (  # noqa: E402
 
 from fp8flow_ao._format import BLOCK, quantize_rows_reference  # noqa: E402
 from fp8flow_ao.kernels.scaling_aware_transpose import (  # noqa: E402
-    _autotuned_kernel,
+    default_transpose_config,
     dequantize_transpose_requantize_reference,
+    launch_scaling_aware_transpose,
     scaling_aware_transpose,
     scaling_aware_transpose_reference,
+    transpose_configs,
 )
 from fp8flow_ao.shapes import BENCH_ROUTED_ROWS, DEEPSEEK_V3, DEEPSEEK_V3_E8  # noqa: E402
 
@@ -62,7 +69,22 @@ def bytes_moved(m: int, k: int, rows_read: int) -> int:
     return rows_read * k + rows_read * (k // BLOCK) * 4 + m * k + (m // BLOCK) * k * 4
 
 
+def sweep_rows(case: str, sets: list[tuple], nbytes: int, extra: dict) -> list[dict]:
+    """One row per launch configuration (no baseline), each checked bit for bit against the default's output."""
+    expected = launch_scaling_aware_transpose(*sets[0])
+    rows = []
+    for config in transpose_configs():
+        got = launch_scaling_aware_transpose(*sets[0], config=config)
+        exact = all(torch.equal(g.view(torch.uint8), e.view(torch.uint8)) for g, e in zip(got, expected, strict=True))
+        us = bench_us(lambda d, s, o, c=config: launch_scaling_aware_transpose(d, s, o, c), sets)
+        rows.append(row(case, us, "none", None, bytes_moved=nbytes, bit_exact=exact, **extra, config=str(config)))
+    return rows
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time the launch configurations instead of the baselines")
+    sweep = parser.parse_args().sweep
     if not torch.cuda.is_available():
         print("bench_scaling_aware_transpose: no CUDA device, nothing to measure")
         return
@@ -72,6 +94,8 @@ def main() -> None:
     for k in HIDDEN_SIZES:
         for m_routed in BENCH_ROUTED_ROWS:
             for routing, experts in ROUTINGS:
+                if sweep and routing == "skewed" and m_routed != BENCH_ROUTED_ROWS[0]:
+                    continue
                 counts = (balanced_counts if routing == "balanced" else skewed_counts)(m_routed, experts)
                 first = grouped_inputs(counts, k)
                 m = first[0].shape[0]
@@ -81,10 +105,16 @@ def main() -> None:
                 case = f"M={m_routed} K={k} E={experts} {routing}"
                 rows_read = int(first[2][-1])
                 nbytes = bytes_moved(m, k, rows_read)
+                extra = {"rows_buffer": m, "rows_read": rows_read}
+                if sweep:
+                    rows += sweep_rows(case, sets, nbytes, extra)
+                    del sets, first
+                    torch.cuda.empty_cache()
+                    continue
+                extra["config"] = str(default_transpose_config(k))
                 vs_ref = versus_baseline(
                     case, scaling_aware_transpose, compiled_ref, "torch.compile reference", sets, nbytes
                 )
-                extra = {"rows_buffer": m, "rows_read": rows_read, "config": str(_autotuned_kernel.best_config)}
                 vs_ref.update(extra)
                 naive_us = bench_us(compiled_naive, sets)
                 naive_name = "torch.compile dequantize->transpose->requantize"
@@ -92,7 +122,7 @@ def main() -> None:
                 del sets, first
                 torch.cuda.empty_cache()
     write_results(
-        "scaling_aware_transpose",
+        "scaling_aware_transpose_sweep" if sweep else "scaling_aware_transpose",
         rows,
         notes="Bytes: read data + scales of the rows before the last group end, write data_t + scale_inv_t once.",
     )

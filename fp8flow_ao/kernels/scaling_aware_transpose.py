@@ -53,35 +53,54 @@ _TL_BLOCK = tl.constexpr(BLOCK)
 class TransposeConfig:
     """Launch settings of the transpose kernel (they never change the result).
 
-    k_blocks_per_program: 128 x 128 tiles one program walks along K (sharing its row range, the
-        group-end read and the index math).
+    k_blocks_per_program: 128 x 128 tiles one program walks along K (sharing its row range and the
+        group-end read); while one tile is re-encoded and stored, the next one's loads are in flight.
     num_warps: warps per program.
+    max_registers: per-thread register cap given to ptxas (``maxnreg``), or ``None``; it sets how
+        many programs fit on an SM (65536 registers: 8 warps x 128 -> 2 programs).
+    group_m: launch order. Programs are numbered ``group_m`` row tiles at a time: within a group
+        the row tile varies fastest, then the K range, then the group (the grouped order of a GEMM).
+        ``None``: one group of every row tile (all of M for one K range, then the next K range).
     """
 
     k_blocks_per_program: int
     num_warps: int
+    max_registers: int | None = None
+    group_m: int | None = None
 
 
 def transpose_configs() -> list[TransposeConfig]:
-    """Autotune candidates; the first is the default (used by the CPU interpreter and unnamed calls).
+    """The launch configurations ``bench_scaling_aware_transpose.py --sweep`` times; the default
+    rule :func:`default_transpose_config` picks among them.
 
     The tile is 128 x 128, fixed by the format: 128 rows share one output scale, and 128 columns
-    are one input scale block, so one max per tile. It also makes every global access whole
-    128-byte lines: each input row of the tile is 128 contiguous bytes, each output row 128
-    contiguous tokens. 4 warps: each thread loads 16-byte vectors (128 threads x 16 B x 8 = 16 KiB)
-    and Triton lowers the transpose to ``stmatrix`` (8 warps get plain 4-byte shared stores); ~165
-    registers (sm_90, triton 3.6 and 3.9) leave 3 programs per SM, ~48 KiB of loads in flight per
-    SM, above the ~20-30 KiB that bandwidth x latency asks for on H100/H200. 8 warps: ~100
-    registers, 5 programs per SM, but ~20% more instructions per element.
-    Several tiles per program cut the grid (7168 programs at 16384 x 7168 with one tile each);
-    4 divides K/128 for both PERF.md K (7168, 2048).
+    are one input scale block, so one max per tile. Every global access is a whole 128-byte line
+    of 16-byte vectors (sm_90a PTX: ``ld.global.v4`` / ``st.global.v4``): each input row of the
+    tile is 128 contiguous bytes, each output row 128 contiguous tokens.
+    Registers (sm_90a, triton 3.6) bound the programs per SM, and each program keeps up to two
+    tiles' loads (32 KiB) in flight: 8 warps need 162 registers, capped at 128 without spills, so
+    2 programs and up to 64 KiB in flight per SM, above the ~30-50 KiB that 4.2 TB/s x ~1-1.5 us
+    loaded latency asks of each of 132 SMs (the old 8-warp kernel without the prefetch: 106
+    registers, 2 programs, 32 KiB at most). 4 warps: 255 registers, 1 program (a cap of 168 spills
+    464 bytes); 16 warps: 94 registers, 1 program, 8-byte loads. They stay in the sweep as checks.
+    group_m: with all of M for one K range (None), the programs running at once read 128 bytes of
+    every input row (stride K) and write whole output rows; a group of 8 row tiles across all of
+    K reads whole input rows and writes 1 KiB runs of each output row (DRAM page locality on both
+    sides); 1: one row tile at a time (whole input rows, 128-byte output runs).
     """
-    return [
-        TransposeConfig(k_blocks_per_program=4, num_warps=4),
-        TransposeConfig(k_blocks_per_program=1, num_warps=4),
-        TransposeConfig(k_blocks_per_program=4, num_warps=8),
-        TransposeConfig(k_blocks_per_program=1, num_warps=8),
+    capped = [
+        TransposeConfig(k_blocks_per_program=kbpp, num_warps=8, max_registers=128, group_m=group_m)
+        for group_m in (8, None, 1)
+        for kbpp in (1, 2, 4, 8)
     ]
+    return capped + [TransposeConfig(4, 4, None, 8), TransposeConfig(4, 16, None, 8)]
+
+
+def default_transpose_config(k: int) -> TransposeConfig:
+    """The launch configuration for ``K`` columns (never depends on the token count M): 4 tiles per
+    program (a divisor of K/128 at both PERF.md sizes, 7168 and 2048), 8 warps capped at 128
+    registers (2 programs per SM), grouped order over 8 row tiles."""
+    return TransposeConfig(k_blocks_per_program=4, num_warps=8, max_registers=128, group_m=8)
 
 
 @triton.jit
@@ -99,15 +118,31 @@ def _exponent_shift_multiplier(s, s_max):
 
 
 @triton.jit
-def _load_rows(ptr, quads, b, cols, K, valid_rows):
-    """Rows ``r = 4 * q + b`` (q < 32) of a 128 x 128 fp8 tile, 128 contiguous bytes each; 0 for r >= valid_rows."""
+def _load_rows(data_tile, scale_rows, quads, b, kb, K, num_kb, valid_rows):
+    """Rows ``r = 4 * q + b`` (q < 32) of tile ``kb``: fp8 ``[32, 128]`` (128 contiguous bytes a row)
+    and their fp32 scales ``[32]``; 0 (and no read) for ``r >= valid_rows``."""
     r = 4 * quads + b
-    return tl.load(ptr + r[:, None] * K + cols[None, :], mask=(r < valid_rows)[:, None], other=0.0)
+    mask = r < valid_rows
+    cols = tl.arange(0, _TL_BLOCK)
+    x = tl.load(data_tile + kb * _TL_BLOCK + r[:, None] * K + cols[None, :], mask=mask[:, None], other=0.0)
+    s = tl.load(scale_rows + kb + r * num_kb, mask=mask, other=0.0)
+    return x, s
 
 
 @triton.jit
-def _reencode_rows(x, scale_inv_ptr, quads, b, num_kb, s_max, valid_rows):
-    """Re-encode rows ``4 * q + b`` of the tile to the tile's scale ``s_max``: fp8 -> fp16 -> x 2**-shift -> fp8.
+def _load_tile(data_tile, scale_rows, quads, kb, K, num_kb, valid_rows):
+    """Tile ``kb`` as four 32 x 128 row slices (rows ``4q + b``, b = 0..3) and their scales; rows
+    at or past ``valid_rows`` are not read (0)."""
+    x0, s0 = _load_rows(data_tile, scale_rows, quads, 0, kb, K, num_kb, valid_rows)
+    x1, s1 = _load_rows(data_tile, scale_rows, quads, 1, kb, K, num_kb, valid_rows)
+    x2, s2 = _load_rows(data_tile, scale_rows, quads, 2, kb, K, num_kb, valid_rows)
+    x3, s3 = _load_rows(data_tile, scale_rows, quads, 3, kb, K, num_kb, valid_rows)
+    return x0, x1, x2, x3, s0, s1, s2, s3
+
+
+@triton.jit
+def _reencode_rows(x, s, s_max):
+    """Re-encode a row slice to the tile's scale ``s_max``: fp8 -> fp16 -> x 2**-shift -> fp8.
 
     fp16 instead of fp32 because sm_90 converts fp8 <-> fp16 two at a time and multiplies fp16
     pairs (fp32 adds an fp16 -> fp32 widening and a scalar multiply per element): same bits. It is exact: an E4M3 value (4 significant bits,
@@ -116,13 +151,11 @@ def _reencode_rows(x, scale_inv_ptr, quads, b, num_kb, s_max, valid_rows):
     smallest E4M3 subnormal after fp16 rounding), so the one rounding that matters is the final
     round-to-nearest-even to E4M3 (``cvt.rn.satfinite.e4m3x2.f16x2``).
     """
-    r = 4 * quads + b
-    s = tl.load(scale_inv_ptr + r * num_kb, mask=r < valid_rows, other=0.0)
     mult = _exponent_shift_multiplier(s, s_max).to(tl.float16)
     return (x.to(tl.float16) * mult[:, None]).to(tl.float8e4nv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["group_m"])  # it follows M when group_m is None: no recompile per M
 def _scaling_aware_transpose_kernel(
     data_ptr,
     scale_inv_ptr,
@@ -132,24 +165,32 @@ def _scaling_aware_transpose_kernel(
     M,
     K,
     num_groups,
+    group_m,
     HAS_OFFSETS: tl.constexpr,
     K_BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
-    """One program: the 128 rows of row tile ``program_id(0)`` x ``K_BLOCKS_PER_PROGRAM`` scale blocks.
+    """One program: the 128 rows of one row tile x ``K_BLOCKS_PER_PROGRAM`` scale blocks; a 1-D grid
+    in grouped order (``group_m`` row tiles, see :class:`TransposeConfig`).
 
     Per 128 x 128 tile: load it as four 32 x 128 slices (rows 4q + b, b = 0..3; loads coalesced
-    along K), take the max of the 128 row scales, re-encode each slice with its rows' shifts, then
-    interleave the four slices (``tl.join``: register-only) so each thread holds 4 consecutive
-    tokens of a column, and store the transposed tile coalesced along M. Triton then moves the tile
-    through shared memory 4 bytes at a time (``stmatrix`` + 16-byte ``ld.shared`` on sm_90), where
-    ``tl.trans`` of the plain 128 x 128 fp8 tile compiles to one 1-byte shared store per element
-    (1144 instead of ~990 SASS instructions per tile at 4 warps). The tile's loads are issued
-    before the scale max, whose cross-warp reduction is a barrier that loads cannot cross.
+    along K) with their row scales, take the max of the 128 row scales, re-encode each slice with
+    its rows' shifts, then interleave the four slices (``tl.join``: register-only) so each thread
+    holds 4 consecutive tokens of a column, and store the transposed tile coalesced along M. Triton
+    then moves the tile through shared memory 4 bytes at a time (sm_90a: ``stmatrix`` + 16-byte
+    ``ld.shared`` at 4 warps, 4-byte ``st/ld.shared`` at 8), where ``tl.trans`` of the plain
+    128 x 128 fp8 tile compiles to one 1-byte shared store per element. The next tile's loads are issued before this tile's scale max,
+    whose cross-warp reduction is a barrier that later loads could not cross: a program keeps one
+    tile in flight while it re-encodes and stores another (the loop is software-pipelined by hand).
     Offsets inside a tile are int32 (127 * max(M, K) fits); the tile bases are int64.
     """
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid = tl.program_id(0)
     num_kb = K // _TL_BLOCK
+    num_pid_k = tl.cdiv(num_kb, K_BLOCKS_PER_PROGRAM)
+    per_group = group_m * num_pid_k
+    first_m = (pid // per_group) * group_m
+    group_rows = tl.minimum(M // _TL_BLOCK - first_m, group_m)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_k = (pid % per_group) // group_rows
     row0 = pid_m * _TL_BLOCK
     idx = tl.arange(0, _TL_BLOCK)  # rows, or columns, of the square tile
     quads = tl.arange(0, _TL_BLOCK // 4)
@@ -160,33 +201,24 @@ def _scaling_aware_transpose_kernel(
     data_tile = data_ptr + row0.to(tl.int64) * K
     scale_rows = scale_inv_ptr + row0 * num_kb
     kb_first = pid_k * K_BLOCKS_PER_PROGRAM
-    for kb in range(kb_first, tl.minimum(kb_first + K_BLOCKS_PER_PROGRAM, num_kb)):
-        x_ptr = data_tile + kb * _TL_BLOCK
-        x0 = _load_rows(x_ptr, quads, 0, idx, K, valid_rows)
-        x1 = _load_rows(x_ptr, quads, 1, idx, K, valid_rows)
-        x2 = _load_rows(x_ptr, quads, 2, idx, K, valid_rows)
-        x3 = _load_rows(x_ptr, quads, 3, idx, K, valid_rows)
-        s_max = tl.max(tl.load(scale_rows + idx * num_kb + kb, mask=idx < valid_rows, other=0.0), axis=0)
-        y0 = _reencode_rows(x0, scale_rows + kb, quads, 0, num_kb, s_max, valid_rows)
-        y1 = _reencode_rows(x1, scale_rows + kb, quads, 1, num_kb, s_max, valid_rows)
-        y2 = _reencode_rows(x2, scale_rows + kb, quads, 2, num_kb, s_max, valid_rows)
-        y3 = _reencode_rows(x3, scale_rows + kb, quads, 3, num_kb, s_max, valid_rows)
+    kb_end = tl.minimum(kb_first + K_BLOCKS_PER_PROGRAM, num_kb)
+    x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(data_tile, scale_rows, quads, kb_first, K, num_kb, valid_rows)
+    for kb in range(kb_first, kb_end):
+        # the next tile of this program (none after the last: 0 valid rows, nothing read)
+        next_rows = tl.where(kb + 1 < kb_end, valid_rows, 0)
+        n0, n1, n2, n3, t0, t1, t2, t3 = _load_tile(data_tile, scale_rows, quads, kb + 1, K, num_kb, next_rows)
+        s_max = tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), axis=0)
+        y0 = _reencode_rows(x0, s0, s_max)
+        y1 = _reencode_rows(x1, s1, s_max)
+        y2 = _reencode_rows(x2, s2, s_max)
+        y3 = _reencode_rows(x3, s3, s_max)
         # [q, k, b] with b = row % 4 innermost, then [k, q, b] = [k, 128 tokens]
         y = tl.join(tl.join(y0, y1), tl.join(y2, y3))  # [q, k, b % 2, b // 2]
         y_t = tl.reshape(tl.permute(y, (1, 0, 3, 2)), (_TL_BLOCK, _TL_BLOCK))
         out = data_t_ptr + row0 + kb * _TL_BLOCK * M.to(tl.int64)
         tl.store(out + idx[:, None] * M + idx[None, :], y_t)
         tl.store(scale_inv_t_ptr + pid_m * K + kb * _TL_BLOCK + idx, tl.zeros([_TL_BLOCK], tl.float32) + s_max)
-
-
-def _to_triton_config(c: TransposeConfig) -> triton.Config:
-    return triton.Config({"K_BLOCKS_PER_PROGRAM": c.k_blocks_per_program}, num_warps=c.num_warps)
-
-
-# Tuned per K only (the token count M varies every step and must not trigger a re-tune).
-_autotuned_kernel = triton.autotune(configs=[_to_triton_config(c) for c in transpose_configs()], key=["K"])(
-    _scaling_aware_transpose_kernel
-)
+        x0, x1, x2, x3, s0, s1, s2, s3 = n0, n1, n2, n3, t0, t1, t2, t3
 
 
 def launch_scaling_aware_transpose(
@@ -197,16 +229,17 @@ def launch_scaling_aware_transpose(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`scaling_aware_transpose`.
 
-    ``config=None`` autotunes on a GPU and takes the first of :func:`transpose_configs` elsewhere
-    (the interpreter cannot time kernels).
+    ``config=None`` takes :func:`default_transpose_config` of ``K``.
     """
     m, k = data.shape
     data_t = torch.empty((k, m), dtype=FP8_DTYPE, device=data.device)
     scale_inv_t = torch.empty((m // BLOCK, k), dtype=torch.float32, device=data.device)
     if m == 0 or k == 0:
         return data_t, scale_inv_t
-    has_offsets = group_end_offsets is not None
-    args = (
+    c = config or default_transpose_config(k)
+    row_tiles = m // BLOCK
+    programs = row_tiles * triton.cdiv(k // BLOCK, c.k_blocks_per_program)
+    _scaling_aware_transpose_kernel[(programs,)](
         data,
         scale_inv,
         group_end_offsets,
@@ -214,22 +247,13 @@ def launch_scaling_aware_transpose(
         scale_inv_t,
         m,
         k,
-        group_end_offsets.numel() if has_offsets else 0,
+        group_end_offsets.numel() if group_end_offsets is not None else 0,
+        min(c.group_m or row_tiles, row_tiles),
+        HAS_OFFSETS=group_end_offsets is not None,
+        K_BLOCKS_PER_PROGRAM=c.k_blocks_per_program,
+        num_warps=c.num_warps,
+        maxnreg=c.max_registers,
     )
-
-    def grid(kb_per_program: int) -> tuple[int, int]:
-        return (m // BLOCK, triton.cdiv(k // BLOCK, kb_per_program))
-
-    if config is None and data.is_cuda:
-        _autotuned_kernel[lambda meta: grid(meta["K_BLOCKS_PER_PROGRAM"])](*args, HAS_OFFSETS=has_offsets)
-    else:
-        c = config or transpose_configs()[0]
-        _scaling_aware_transpose_kernel[grid(c.k_blocks_per_program)](
-            *args,
-            HAS_OFFSETS=has_offsets,
-            K_BLOCKS_PER_PROGRAM=c.k_blocks_per_program,
-            num_warps=c.num_warps,
-        )
     return data_t, scale_inv_t
 
 
