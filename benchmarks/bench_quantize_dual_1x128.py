@@ -7,11 +7,16 @@ padded to the static bound M + 128 E, whose rows past the last group are not rea
 algorithmic minimum: read the rows before the last group end (2 B/elem) + write row_data and col_data
 (1 B/elem each over the whole buffer) + write both scale tensors (4 B per block).
 
-    python benchmarks/bench_quantize_dual_1x128.py
+``--sweep`` times every launch configuration (``quantize_dual_1x128_configs()``) through the
+launcher instead of the baseline, each checked bit for bit against the compiled reference, to choose
+DEFAULT_CONFIG (results in ``quantize_dual_1x128_sweep``).
+
+    python benchmarks/bench_quantize_dual_1x128.py [--sweep]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -21,11 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench import n_rotations, skewed_counts, versus_baseline, write_results  # noqa: E402
+from _bench import bench_us, bits_equal, n_rotations, row, skewed_counts, versus_baseline, write_results  # noqa: E402
 
 from fp8flow_ao._format import BLOCK  # noqa: E402
 from fp8flow_ao.kernels.quantize_dual_1x128 import (  # noqa: E402
+    DEFAULT_CONFIG,
+    launch_quantize_dual_1x128,
     quantize_dual_1x128,
+    quantize_dual_1x128_configs,
     quantize_dual_1x128_reference,
 )
 from fp8flow_ao.shapes import BENCH_ROUTED_ROWS, DEEPSEEK_V3  # noqa: E402
@@ -41,7 +49,24 @@ def skewed_offsets(m: int, experts: int) -> torch.Tensor:
     return torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32, device="cuda")
 
 
+def sweep_rows(case: str, compiled, sets: list[tuple], bytes_moved: int) -> list[dict]:
+    """One row per launch configuration: its time through the launcher and whether its bits match."""
+    expected = compiled(*sets[0])
+    rows = []
+    for cfg in quantize_dual_1x128_configs():
+        exact = bits_equal(launch_quantize_dual_1x128(*sets[0], cfg), expected)
+        us = bench_us(lambda g, o, c=cfg: launch_quantize_dual_1x128(g, o, c), sets)
+        default = cfg == DEFAULT_CONFIG
+        rows.append(
+            row(case, us, "none", None, bytes_moved=bytes_moved, config=str(cfg), default=default, bit_exact=exact)
+        )
+    return rows
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time the launch configurations instead of the baseline")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_quantize_dual_1x128: no CUDA device, nothing to measure")
         return
@@ -57,9 +82,14 @@ def main() -> None:
             for _ in range(n_rotations(bytes_moved))
         ]
         case = f"M={m} N={n}" + (f" skewed E={experts} buffer={buffer_rows} end={read_rows}" if experts else "")
-        rows.append(versus_baseline(case, quantize_dual_1x128, compiled, BASELINE, sets, bytes_moved))
+        if args.sweep:
+            rows += sweep_rows(case, compiled, sets, bytes_moved)
+        else:
+            rows.append(versus_baseline(case, quantize_dual_1x128, compiled, BASELINE, sets, bytes_moved))
+        del sets
+        torch.cuda.empty_cache()
     notes = "bytes = read g bf16 (rows before the last group end) + write fp8 row/col data + fp32 scales."
-    write_results("quantize_dual_1x128", rows, notes)
+    write_results("quantize_dual_1x128_sweep" if args.sweep else "quantize_dual_1x128", rows, notes)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 The backward pass needs a gradient twice: row-wise (1 x 128 blocks along N, for the dgrad GEMM) and
 column-wise (128 x 1 blocks along M, physically transposed so tokens are contiguous, for the wgrad
-GEMM). One program reads a 128 x 128 tile of ``g`` once and writes both.
+GEMM). Each 128 x 128 tile of ``g`` is read once and written both ways.
 
 Layouts (outputs contiguous): ``g`` row-major (last dim contiguous; the row stride is free).
 ``row_data`` E4M3 ``[M, N]``, ``row_scale`` fp32 ``[M, N/128]`` (COMPACT row-wise).
@@ -17,34 +17,108 @@ last offset is read by the kernel on the device (no host sync). Because every gr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from fp8flow_ao._checks import check_group_end_offsets, check_multiple, check_row_major, check_same_device, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
-from fp8flow_ao.kernels._triton_common import nan_free_abs, pow2_scale_inv_and_scale
+from fp8flow_ao.kernels._grouped_gemm_common import sm_count
+from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def quantize_dual_1x128_configs() -> list[triton.Config]:
-    """Autotune candidates (GPU); the first is the default (the CPU interpreter, explicit calls).
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch settings: warps, a register cap, and how programs map to tiles.
 
-    The tile is fixed by the format: one program owns one 128 x 128 tile of ``g``, which is 128
-    row-wise blocks and 128 column-wise blocks at once, so every amax is complete inside it
-    (32 KiB of bf16 read, 16-byte loads and stores). Only the occupancy is tuned. With 8 warps the
-    tile needs ~144 registers a thread (ptxas, sm_90a), one program per SM (32 KiB in flight, and
-    nothing loads while it reduces and transposes); capping at 128 registers (~24 spilled bytes)
-    fits two. 16 warps capped at 64 also fit two (~80 spilled bytes). The uncapped 8 and 4 warps
-    are there for a GPU where spills cost more than occupancy buys.
+    ``programs_per_sm=None`` launches one program per 128 x 128 tile. Otherwise the grid is
+    ``programs_per_sm`` x the SM count and each program walks the tiles with that stride, loading
+    the next tile while it quantizes and stores this one.
+    """
+
+    num_warps: int
+    maxnreg: int | None = None
+    programs_per_sm: int | None = None
+
+
+def quantize_dual_1x128_configs() -> list[LaunchConfig]:
+    """Launch candidates timed by ``benchmarks/bench_quantize_dual_1x128.py --sweep``; the first is
+    :data:`DEFAULT_CONFIG`.
+
+    The tile is fixed by the format: one 128 x 128 tile of ``g`` is 128 row-wise and 128 column-wise
+    blocks at once, so every amax is complete inside it (32 KiB of bf16 read with 16-byte loads,
+    2 x 16 KiB of fp8 written with 16-byte stores). At the H200's copy rate an SM moves those 64 KiB
+    in ~4000 cycles, and quantizing them issues 8 warps x ~1300 SASS instructions (~2600 cycles,
+    ptxas sm_90a): load, math and store must overlap. One tile per program does not overlap them
+    well: programs start in lockstep, nothing loads while they reduce and transpose (measured
+    58-64% of copy bandwidth with two programs per SM). A persistent program loads its next tile
+    before it quantizes this one. Registers a thread (triton 3.6, bf16; spills as stack bytes) and
+    SASS instructions per tile a thread:
+
+    * persistent, 8 warps capped at 128: 40 B stack, two programs per SM, 1452 instructions
+      (the default: two programs fill each other's barrier waits);
+    * persistent, 8 warps: 227, one per SM, 1358; 16 warps: 120, one per SM, 898 (x 16 warps);
+      16 warps capped at 64: 216 B stack, two per SM, 991;
+    * one tile per program, 8 warps: 127, two per SM, 1320; capped at 80 (152 B stack) three per
+      SM; 16 warps: 64, two per SM.
     """
     return [
-        triton.Config({}, num_warps=8, maxnreg=128),
-        triton.Config({}, num_warps=16, maxnreg=64),
-        triton.Config({}, num_warps=8),
-        triton.Config({}, num_warps=4),
+        LaunchConfig(num_warps=8, maxnreg=128, programs_per_sm=2),
+        LaunchConfig(num_warps=8, programs_per_sm=1),
+        LaunchConfig(num_warps=16, programs_per_sm=1),
+        LaunchConfig(num_warps=16, maxnreg=64, programs_per_sm=2),
+        LaunchConfig(num_warps=8),
+        LaunchConfig(num_warps=8, maxnreg=80),
+        LaunchConfig(num_warps=16),
     ]
+
+
+DEFAULT_CONFIG = quantize_dual_1x128_configs()[0]
+
+
+@triton.jit
+def _tile_rows_cols(tile, N, TILE: tl.constexpr):
+    """Row and column indices of tile ``tile``; N tiles vary fastest, so neighbouring tiles are
+    neighbouring columns of the same rows."""
+    tiles_n = N // TILE
+    rows = (tile // tiles_n) * TILE + tl.arange(0, TILE)
+    cols = (tile % tiles_n) * TILE + tl.arange(0, TILE)
+    return rows, cols
+
+
+@triton.jit
+def _load_tile(tile, g_ptr, end, N, stride_gm, TILE: tl.constexpr):
+    """The ``TILE x TILE`` tile ``tile`` of ``g``; rows at or past ``end`` are padding: masked off
+    (never read) and loaded as 0, so their data is written as +0."""
+    rows, cols = _tile_rows_cols(tile, N, TILE)
+    ptrs = g_ptr + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :]
+    return tl.load(ptrs, mask=(rows < end)[:, None], other=0.0)
+
+
+@triton.jit
+def _quantize_tile(g, tile, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, end, M, N, TILE: tl.constexpr):
+    """Quantize the loaded tile ``g`` both ways and store it, its scales and its padding zeros."""
+    rows, cols = _tile_rows_cols(tile, N, TILE)
+    tiles_n = N // TILE
+    row_ok = rows < end
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    x = g.to(tl.float32)
+    row_scale_inv, row_scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=1))
+    col_scale_inv, col_scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=0))
+    row_q = (x * row_scale[:, None]).to(tl.float8e4nv)
+    col_q = (x * col_scale[None, :]).to(tl.float8e4nv)
+    tl.store(row_data_ptr + rows64[:, None] * N + cols64[None, :], row_q)
+    tl.store(row_scale_ptr + rows64 * tiles_n + tile % tiles_n, tl.where(row_ok, row_scale_inv, 0.0))
+    # col_data[n, m] = quantized g[m, n]: tokens contiguous for the wgrad GEMM.
+    tl.store(col_data_ptr + cols64[:, None] * M + rows64[None, :], tl.trans(col_q))
+    block = tile // tiles_n
+    block_ok = block * TILE < end
+    tl.store(col_scale_ptr + block.to(tl.int64) * N + cols64, tl.where(block_ok, col_scale_inv, 0.0))
 
 
 @triton.jit
@@ -60,35 +134,27 @@ def _quantize_dual_1x128_kernel(
     stride_gm,
     num_groups,
     HAS_OFFSETS: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    """One program: rows ``pid_m * TILE ...``, columns ``pid_n * TILE ...``; N tiles vary fastest so
-    neighbouring programs read neighbouring tiles of the same rows."""
-    pid = tl.program_id(0)
-    tiles_n = N // TILE
-    pid_m = pid // tiles_n
-    pid_n = pid % tiles_n
-    rows = pid_m * TILE + tl.arange(0, TILE)
-    cols = pid_n * TILE + tl.arange(0, TILE)
+    """One tile per program, or (``PERSISTENT``) tiles ``pid, pid + programs, ...``, each loaded while
+    the one before it is quantized."""
     # The last padded group end, read on the device: rows at or past it are padding.
     end = tl.load(offsets_ptr + num_groups - 1) if HAS_OFFSETS else M
-    row_ok = rows < end
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
-    # Padding rows are masked off (never read) and load as 0, so their data is written as +0.
-    x = tl.load(g_ptr + rows64[:, None] * stride_gm + cols64[None, :], mask=row_ok[:, None], other=0.0)
-    x = x.to(tl.float32)
-    a = nan_free_abs(x)
-    row_scale_inv, row_scale = pow2_scale_inv_and_scale(tl.max(a, axis=1))
-    col_scale_inv, col_scale = pow2_scale_inv_and_scale(tl.max(a, axis=0))
-    row_q = (x * row_scale[:, None]).to(tl.float8e4nv)
-    col_q = (x * col_scale[None, :]).to(tl.float8e4nv)
-    tl.store(row_data_ptr + rows64[:, None] * N + cols64[None, :], row_q)
-    tl.store(row_scale_ptr + rows64 * tiles_n + pid_n, tl.where(row_ok, row_scale_inv, 0.0))
-    # col_data[n, m] = quantized g[m, n]: tokens contiguous for the wgrad GEMM.
-    tl.store(col_data_ptr + cols64[:, None] * M + rows64[None, :], tl.trans(col_q))
-    block_ok = pid_m * TILE < end
-    tl.store(col_scale_ptr + pid_m.to(tl.int64) * N + cols64, tl.where(block_ok, col_scale_inv, 0.0))
+    first = tl.program_id(0)
+    g = _load_tile(first, g_ptr, end, N, stride_gm, TILE)
+    if PERSISTENT:
+        num_tiles = (M // TILE) * (N // TILE)
+        step = tl.num_programs(0)
+        # Prefetched by hand into registers: Triton's own pipelining (cp.async) would read the
+        # column-wise tile back from unswizzled shared memory, 8-way bank conflicts (sm_90a ttgir).
+        for tile in tl.range(first, num_tiles, step, num_stages=1):
+            # Past the last tile this loads nothing (all rows masked) and is never used.
+            next_g = _load_tile(tile + step, g_ptr, tl.where(tile + step < num_tiles, end, 0), N, stride_gm, TILE)
+            _quantize_tile(g, tile, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, end, M, N, TILE)
+            g = next_g
+    else:
+        _quantize_tile(g, first, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, end, M, N, TILE)
 
 
 def _allocate(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,25 +167,25 @@ def _allocate(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     )
 
 
-# Tuned per N (and dtype) only: the token count M changes every step and must not trigger a re-tune.
-_tuned_kernel = triton.autotune(configs=quantize_dual_1x128_configs(), key=["N"])(_quantize_dual_1x128_kernel)
-
-
 def launch_quantize_dual_1x128(
-    g: torch.Tensor, group_end_offsets: torch.Tensor | None = None, config: triton.Config | None = None
+    g: torch.Tensor, group_end_offsets: torch.Tensor | None = None, config: LaunchConfig = DEFAULT_CONFIG
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`quantize_dual_1x128`.
 
-    ``config=None`` autotunes on a GPU and takes the first of :func:`quantize_dual_1x128_configs` elsewhere
-    (the interpreter cannot time kernels); tests pass each config to prove they agree.
+    Tests pass each of :func:`quantize_dual_1x128_configs` to prove they agree; on the CPU
+    interpreter a persistent config counts one SM.
     """
     m, n = g.shape
     row_data, row_scale, col_data, col_scale = _allocate(g)
     num_tiles = (m // BLOCK) * (n // BLOCK)
     if num_tiles == 0:
         return row_data, row_scale, col_data, col_scale
+    persistent = config.programs_per_sm is not None
+    grid = num_tiles
+    if persistent:
+        grid = min(num_tiles, config.programs_per_sm * (sm_count(g.device) if g.is_cuda else 1))
     has_offsets = group_end_offsets is not None
-    args = (
+    _quantize_dual_1x128_kernel[(grid,)](
         g,
         row_data,
         row_scale,
@@ -130,14 +196,12 @@ def launch_quantize_dual_1x128(
         n,
         g.stride(0),
         group_end_offsets.shape[0] if has_offsets else 0,
+        HAS_OFFSETS=has_offsets,
+        PERSISTENT=persistent,
+        TILE=BLOCK,
+        num_warps=config.num_warps,
+        maxnreg=config.maxnreg,
     )
-    if config is None and g.is_cuda:
-        _tuned_kernel[(num_tiles,)](*args, HAS_OFFSETS=has_offsets, TILE=BLOCK)
-    else:
-        c = config or quantize_dual_1x128_configs()[0]
-        _quantize_dual_1x128_kernel[(num_tiles,)](
-            *args, HAS_OFFSETS=has_offsets, TILE=BLOCK, num_warps=c.num_warps, maxnreg=c.maxnreg
-        )
     return row_data, row_scale, col_data, col_scale
 
 
