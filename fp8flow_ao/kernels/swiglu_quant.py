@@ -48,10 +48,10 @@ power of two, fp32):
 Numerics: the kernels and the references evaluate the same formulas in the same order, in fp32,
 with no fused multiply-add (``enable_fp_fusion=False``). ``exp`` and the division are the only
 steps whose rounding can differ: torch's CPU ``exp``, numpy's (the interpreter) and the GPU's
-``ex2.approx`` differ by an ulp or two, and the GPU divides with ``div.full`` (the backward with
-``div.approx``, the same value wherever ``gate > -87.3``; see ``_sigmoid``), within 2 ulp, which moves an E4M3 rounding at a
-few elements per million and, far more rarely, a scale whose block maximum sits next to a power of
-two.
+``ex2.approx`` differ by an ulp or two, and the GPU divides within 2 ulp (``div.full``; the backward
+``div.approx``, the same value wherever the gate is above -87.3, see ``_sigmoid``), which moves an
+E4M3 rounding at a few elements per million and, far more rarely, a scale whose block maximum sits
+next to a power of two.
 """
 
 from __future__ import annotations
@@ -96,11 +96,11 @@ FORWARD_CONFIG = LaunchConfig(block_m=32, num_warps=4)
 # and d_up tiles (128 KiB) must be live together, so one program fills an SM's registers and is its
 # only resident: 16 warps (128 registers, 16 bytes of stack, ~81 instructions per (gate, up) pair)
 # give each scheduler 4 warps to hide the reductions' and transposes' latency behind, where 8 warps
-# (255 registers, 0-500 bytes of stack depending on small code changes, ~70 instructions) give it 2.
-# 3 stages double-buffer the three BF16 input tiles (2 x 96 KiB of shared memory): the copy of tile
-# i + 2 is issued while tile i is computed. With 2 stages the single buffer can only be refilled
-# after it is read, so every tile's loads were waited for with nothing else to do (the SM's one
-# program was the 416 us at M = 32768, H = 2048 that issue 11 item 3 measured: 39% of copy bandwidth).
+# (255 registers, 0-500 bytes of stack depending on small code changes, ~73 instructions) give it 2.
+# 3 stages double-buffer the three BF16 input tiles (2 x 96 KiB of shared memory): the copies of
+# tile i + 1 fly while tile i is computed. With 2 stages (8 warps, the configuration measured at
+# 416 us, 39% of copy bandwidth, at M = 32768, H = 2048) the single buffer is refilled only after
+# the tile in it has been read, so each tile's loads were waited for with nothing else to run.
 BACKWARD_CONFIG = LaunchConfig(block_m=BLOCK, num_warps=16, num_stages=3)
 
 
@@ -196,7 +196,9 @@ def _store_rowwise_and_colwise(
     transposed (tokens contiguous). Both from the same fp32 values. The two tiles travel joined,
     ``[128, 128, 2]`` with each (gate, up) pair in one thread's registers, so the column maxima
     (across warps) and the scale stores (a layout change each) cross shared memory once for both
-    tiles: 14 barriers per tile pair instead of 21 (sm_90a).
+    tiles: 14 barriers per tile pair instead of 21 (sm_90a). Kept joined up to the FP8 values: with
+    the tiles quantized one by one (or the two transposed stores joined as well), Triton recomputes
+    the whole tile in the transposed layout instead of transposing its FP8 result (see ``_sigmoid``).
     """
     x = tl.join(d_gate, d_up)
     pair = tl.arange(0, 2)
@@ -211,10 +213,9 @@ def _store_rowwise_and_colwise(
     scale_ptrs = scale_ptr + rows64[:, None] * (2 * H // BLOCK_H) + scale_cols[None, :]
     tl.store(scale_ptrs, tl.where(row_ok[:, None], r_inv, 0.0))
     c_inv, c = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=0))
-    qt_gate, qt_up = tl.split((x * c[None, :, :]).to(tl.float8e4nv))
-    col_ptrs = data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :]
-    tl.store(col_ptrs, tl.trans(qt_gate))
-    tl.store(col_ptrs + H.to(tl.int64) * M, tl.trans(qt_up))
+    q_t = tl.permute((x * c[None, :, :]).to(tl.float8e4nv), (1, 0, 2))  # [cols, rows, pair]
+    col_ptrs = data_t_ptr + (cols[:, None, None] + pair[None, None, :] * H).to(tl.int64) * M + rows[None, :, None]
+    tl.store(col_ptrs, q_t)
     # 0 past the last group end. A product, not a select, at each of the 32 scales a thread holds
     # (the column maxima are replicated over the rows' threads): a block past the end was loaded as
     # zeros, so its c_inv is finite, and 1.0 * c_inv keeps an inf.
