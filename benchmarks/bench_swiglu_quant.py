@@ -51,12 +51,7 @@ ROWS = (32768, 65536)
 MODELS = (DEEPSEEK_V3, QWEN3_30B_A3B)
 ROUTINGS = {"balanced": balanced_counts, "skewed": skewed_counts}
 SWEEP_FORWARD = [LaunchConfig(16, 4), LaunchConfig(32, 4), LaunchConfig(64, 4), LaunchConfig(64, 8)]
-# Backward: one program per SM either way (its d_gate and d_up tiles fill the registers), so the
-# sweep trades warps per scheduler (8: 2, 16: 4, 32: 8, with 255 / 128 / 64 registers and more
-# instructions per element as each thread holds fewer) against double-buffered input tiles (3
-# stages) or a single buffer (2 stages, the default before issue 11). 32 warps x 3 stages uses 224
-# of the 227 KiB of shared memory.
-SWEEP_BACKWARD = [LaunchConfig(BLOCK, w, s) for w, s in [(16, 3), (16, 2), (8, 3), (8, 2), (32, 3)]]
+SWEEP_BACKWARD = [LaunchConfig(BLOCK, w, s) for w, s in [(16, 1), (16, 2), (16, 3), (8, 1), (8, 2)]]
 
 
 def group_ends(counts: list[int], rows: int) -> torch.Tensor:

@@ -48,10 +48,9 @@ power of two, fp32):
 Numerics: the kernels and the references evaluate the same formulas in the same order, in fp32,
 with no fused multiply-add (``enable_fp_fusion=False``). ``exp`` and the division are the only
 steps whose rounding can differ: torch's CPU ``exp``, numpy's (the interpreter) and the GPU's
-``ex2.approx`` differ by an ulp or two, and the GPU divides within 2 ulp (``div.full``; the backward
-``div.approx``, the same value wherever the gate is above -87.3, see ``_sigmoid``), which moves an
-E4M3 rounding at a few elements per million and, far more rarely, a scale whose block maximum sits
-next to a power of two.
+``ex2.approx`` differ by an ulp or two, and the GPU divides with ``div.full`` (within 2 ulp), which moves an E4M3 rounding at a
+few elements per million and, far more rarely, a scale whose block maximum sits next to a power of
+two.
 """
 
 from __future__ import annotations
@@ -61,7 +60,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from fp8flow_ao._checks import (
     check_contiguous,
@@ -73,7 +71,6 @@ from fp8flow_ao._checks import (
     check_tensor,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
-from fp8flow_ao.kernels._grouped_gemm_common import interpreting
 from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
 
 
@@ -86,41 +83,27 @@ class LaunchConfig:
     num_stages: int = 1
 
 
-# Register, spill and instruction figures below are from ptxas for sm_90a (triton 3.6, the GPU image's);
-# timings on a GPU are swept by benchmarks/bench_swiglu_quant.py --sweep.
+# Register, spill and instruction figures below are from ptxas for sm_90 (triton 3.9); timings on a
+# GPU are still to be swept (benchmarks/bench_swiglu_quant.py --sweep).
 # Forward: 32 rows x 128 columns of gate and of up per program (16 KiB of BF16), 48 registers with
 # 4 warps: many programs share an SM, so one program's loads overlap another's math.
 FORWARD_CONFIG = LaunchConfig(block_m=32, num_warps=4)
 # Backward: a program owns one 128-row block (the column-wise scale block) and walks H in 128-column
-# tiles, so it owns every scale block it writes and sums grad_probs without atomics. The fp32 d_gate
-# and d_up tiles (128 KiB) must be live together, so one program fills an SM's registers and is its
-# only resident: 16 warps (128 registers, 16 bytes of stack, ~81 instructions per (gate, up) pair)
-# give each scheduler 4 warps to hide the reductions' and transposes' latency behind, where 8 warps
-# (255 registers, 0-500 bytes of stack depending on small code changes, ~73 instructions) give it 2.
-# 3 stages double-buffer the three BF16 input tiles (2 x 96 KiB of shared memory): the copies of
-# tile i + 1 fly while tile i is computed. With 2 stages (8 warps, the configuration measured at
-# 416 us, 39% of copy bandwidth, at M = 32768, H = 2048) the single buffer is refilled only after
-# the tile in it has been read, so each tile's loads were waited for with nothing else to run.
-BACKWARD_CONFIG = LaunchConfig(block_m=BLOCK, num_warps=16, num_stages=3)
+# tiles, so it owns every scale block it writes and sums grad_probs without atomics. The kernel is
+# close to issue-bound (~70 instructions per (gate, up) element pair at 8 warps, ~84 at 16, against
+# ~10 bytes moved), so 8 warps: 255 registers and a 32-byte spill, the fewest instructions. 2
+# stages prefetch the next three BF16 input tiles (96 KiB of shared memory) during this tile's math.
+BACKWARD_CONFIG = LaunchConfig(block_m=BLOCK, num_warps=8, num_stages=2)
 
 
 @triton.jit
-def _sigmoid(g, FAST_DIVIDE: tl.constexpr = False):
+def _sigmoid(g):
     """1 / (1 + exp(-g)), as the reference writes it.
 
     The GPU divides with ``div.full.f32`` (within 2 ulp), not ``tl.div_rn``: the IEEE division's
     slow-path subroutine call at every element made ptxas spill the whole tile (sm_90, 8 warps: 32
-    registers and a 7 KiB stack per thread). ``FAST_DIVIDE`` (GPU only: libdevice does not run in
-    the interpreter) divides with ``div.approx.f32``, one reciprocal and no range scaling (8 fewer
-    instructions per element): the same value for every divisor below 2**126, and 1 + exp(-g)
-    reaches it only for g < -87.3, where s drops from below 1.2e-38 to 0 (a block whose scale or
-    E4M3 rounding that changes would need |grad_a| > 1e30). ``exp`` stays ``tl.exp``: Triton prices
-    it as expensive when it weighs recomputing the whole tile in the transposed layout against
-    transposing the FP8 result, and the libdevice ``exp`` it cannot price made it recompute (sm_90a,
-    16 warps: 3288 instructions per tile pair instead of 2600, 272 bytes of stack).
+    registers and a 7 KiB stack per thread).
     """
-    if FAST_DIVIDE:
-        return libdevice.fast_dividef(1.0, 1.0 + tl.exp(-g))
     return 1.0 / (1.0 + tl.exp(-g))
 
 
@@ -174,52 +157,34 @@ def _swiglu_quant_kernel(
 
 @triton.jit
 def _store_rowwise_and_colwise(
-    d_gate,
-    d_up,
+    x,
     col0,
     rows,
     row_ok,
     block_ok,
     M,
-    H,
+    two_h,
     data_ptr,
     scale_ptr,
     data_t_ptr,
     scale_t_row_ptr,
     BLOCK_H: tl.constexpr,
 ):
-    """Quantize the fp32 128-row x 128-column tiles ``d_gate`` (``dh`` columns ``col0 + [0, 128)``)
-    and ``d_up`` (columns ``H + col0 + [0, 128)``) both ways.
+    """Quantize one fp32 128-row x 128-column tile of ``dh`` (columns ``col0 + [0, 128)``) both ways.
 
-    Row-wise: one scale per row of each tile. Column-wise: one scale per column (into
+    Row-wise: one scale per row of the tile. Column-wise: one scale per column of the tile (into
     ``scale_t_row_ptr``, the row of column-wise scales of this 128-row block), data stored
-    transposed (tokens contiguous). Both from the same fp32 values. The two tiles travel joined,
-    ``[128, 128, 2]`` with each (gate, up) pair in one thread's registers, so the column maxima
-    (across warps) and the scale stores (a layout change each) cross shared memory once for both
-    tiles: 14 barriers per tile pair instead of 21 (sm_90a). Kept joined up to the FP8 values: with
-    the tiles quantized one by one (or the two transposed stores joined as well), Triton recomputes
-    the whole tile in the transposed layout instead of transposing its FP8 result (see ``_sigmoid``).
+    transposed (tokens contiguous). Both from the same fp32 values.
     """
-    x = tl.join(d_gate, d_up)
-    pair = tl.arange(0, 2)
     cols = col0 + tl.arange(0, BLOCK_H)
     rows64 = rows.to(tl.int64)
     r_inv, r = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=1))
-    q_gate, q_up = tl.split((x * r[:, None, :]).to(tl.float8e4nv))
-    row_ptrs = data_ptr + rows64[:, None] * (2 * H) + cols[None, :]
-    tl.store(row_ptrs, q_gate)
-    tl.store(row_ptrs + H, q_up)
-    scale_cols = col0 // BLOCK_H + pair * (H // BLOCK_H)
-    scale_ptrs = scale_ptr + rows64[:, None] * (2 * H // BLOCK_H) + scale_cols[None, :]
-    tl.store(scale_ptrs, tl.where(row_ok[:, None], r_inv, 0.0))
+    tl.store(data_ptr + rows64[:, None] * two_h + cols[None, :], (x * r[:, None]).to(tl.float8e4nv))
+    tl.store(scale_ptr + rows64 * (two_h // BLOCK_H) + col0 // BLOCK_H, tl.where(row_ok, r_inv, 0.0))
     c_inv, c = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=0))
-    q_t = tl.permute((x * c[None, :, :]).to(tl.float8e4nv), (1, 0, 2))  # [cols, rows, pair]
-    col_ptrs = data_t_ptr + (cols[:, None, None] + pair[None, None, :] * H).to(tl.int64) * M + rows[None, :, None]
-    tl.store(col_ptrs, q_t)
-    # 0 past the last group end. A product, not a select, at each of the 32 scales a thread holds
-    # (the column maxima are replicated over the rows' threads): a block past the end was loaded as
-    # zeros, so its c_inv is finite, and 1.0 * c_inv keeps an inf.
-    tl.store(scale_t_row_ptr + cols[:, None] + pair[None, :] * H, c_inv * block_ok.to(tl.float32))
+    q_t = tl.trans((x * c[None, :]).to(tl.float8e4nv))
+    tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], q_t)
+    tl.store(scale_t_row_ptr + cols, tl.where(block_ok, c_inv, 0.0))
 
 
 @triton.jit
@@ -244,10 +209,9 @@ def _swiglu_quant_backward_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    FAST_DIVIDE: tl.constexpr,
 ):
     """One program: one 128-row block, walking H in 128-column tiles; writes the d_gate and d_up
-    tiles of both ``dh`` layouts and the block's ``grad_probs``. ``FAST_DIVIDE``: see :func:`_sigmoid`."""
+    tiles of both ``dh`` layouts and the block's ``grad_probs``."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     end = _rows_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
@@ -271,7 +235,7 @@ def _swiglu_quant_backward_kernel(
             # so that gate and up die early: sm_90, 8 warps, triton 3.6 spills 8 bytes as in the other
             # mode (the plain sum: 152); triton 3.9 spills 472 either way round (the other mode: 32).
             gp = g * p
-            s = _sigmoid(gp, FAST_DIVIDE)
+            s = _sigmoid(gp)
             d_up = ga * (gp * s)
             gu = ga * u
             dsilu = s * (1.0 + gp * (1.0 - s))
@@ -279,7 +243,7 @@ def _swiglu_quant_backward_kernel(
             d_up = d_up * p
             d_gate = ((gu * p) * dsilu) * p
         else:
-            s = _sigmoid(g, FAST_DIVIDE)
+            s = _sigmoid(g)
             d_up = ga * (g * s)
             d_gate = ga * u
             if HAS_PROBS:
@@ -287,8 +251,12 @@ def _swiglu_quant_backward_kernel(
                 d_up = d_up * p
                 d_gate = d_gate * p
             d_gate = d_gate * (s * (1.0 + g * (1.0 - s)))
+        # d_gate first: only d_up stays live across its quantization (fewest registers).
         _store_rowwise_and_colwise(
-            d_gate, d_up, col0, rows, row_ok, block_ok, M, H, dh_ptr, dh_scale_ptr, dh_t_ptr, scale_t_row_ptr, BLOCK_H
+            d_gate, col0, rows, row_ok, block_ok, M, 2 * H, dh_ptr, dh_scale_ptr, dh_t_ptr, scale_t_row_ptr, BLOCK_H
+        )
+        _store_rowwise_and_colwise(
+            d_up, H + col0, rows, row_ok, block_ok, M, 2 * H, dh_ptr, dh_scale_ptr, dh_t_ptr, scale_t_row_ptr, BLOCK_H
         )
     if HAS_PROBS:
         tl.store(grad_probs_ptr + rows, grad_probs)
@@ -380,7 +348,6 @@ def launch_swiglu_quant_backward(
         BLOCK_M=BLOCK,
         BLOCK_H=BLOCK,
         NUM_STAGES=config.num_stages,
-        FAST_DIVIDE=not interpreting(),
         num_warps=config.num_warps,
         enable_fp_fusion=False,  # no fma contraction: the same roundings as the reference
     )
