@@ -177,9 +177,20 @@ def timed(fn: Callable, p: dict, mode: str) -> float:
     return bench_us(step, [()])
 
 
+NOTES = (
+    "Whole op, quantization included, bf16 inputs and weights. tflops = ours, baseline_tflops = the named "
+    "baseline on the same FLOPs (fwd 2MNK, fwd+bwd 6MNK). sqnr_* = ours, baseline_sqnr_* = the baseline, "
+    "dB vs fp32 math on the same bf16 operands. Aligned cases call ours with offs_aligned=True; 'unaligned' "
+    "pads on the device (torchao pads internally in every case). 'fwd+bwd accumulate': .backward() into "
+    "existing A.grad / W.grad (our wgrad epilogue adds into W.grad)."
+)
+
+
 def run(deep_gemm) -> list[dict]:
+    """Every case; the result files are rewritten after each one, so a run stopped by its time limit
+    (DeepGEMM compiles each new shape on first use) keeps the cases it finished."""
     rows_out = []
-    for m, k, n, e, routing in CASES:
+    for i, (m, k, n, e, routing) in enumerate(CASES):
         p = make_problem(m, k, n, e, routing)
         case = f"M={m} K={k} N={n} E={e} {routing}"
         ref = fp32_reference(p)
@@ -205,6 +216,8 @@ def run(deep_gemm) -> list[dict]:
                 )
         del p
         torch.cuda.empty_cache()
+        done = "" if i + 1 == len(CASES) else f" Partial: {i + 1} of {len(CASES)} cases (the run stopped)."
+        write_results("fp8_grouped_mm", rows_out, NOTES + done)
     return rows_out
 
 
@@ -212,16 +225,7 @@ def main() -> None:
     if not require_cuda("bench_fp8_grouped_mm"):
         return
     torch.manual_seed(0)
-    rows_out = run(import_deep_gemm())
-    write_results(
-        "fp8_grouped_mm",
-        rows_out,
-        "Whole op, quantization included, bf16 inputs and weights. tflops = ours, baseline_tflops = the named "
-        "baseline on the same FLOPs (fwd 2MNK, fwd+bwd 6MNK). sqnr_* = ours, baseline_sqnr_* = the baseline, "
-        "dB vs fp32 math on the same bf16 operands. Aligned cases call ours with offs_aligned=True; 'unaligned' "
-        "pads on the device (torchao pads internally in every case). 'fwd+bwd accumulate': .backward() into "
-        "existing A.grad / W.grad (our wgrad epilogue adds into W.grad).",
-    )
+    run(import_deep_gemm())
 
 
 if __name__ == "__main__":
