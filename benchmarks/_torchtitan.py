@@ -43,14 +43,17 @@ def common_args(config_file: Path, dump_folder: str | Path) -> list[str]:
     ]  # fmt: skip
 
 
-def train(args: list[str], device: str):
-    """Parse torchtitan ``args`` and train in this process on ``device`` ("cuda" or "cpu"); a ``RunRecord``."""
+def train(args: list[str], device: str, probe_every: int = 0):
+    """Parse torchtitan ``args`` and train in this process on ``device`` ("cuda" or "cpu"); a ``RunRecord``.
+
+    ``probe_every > 0`` records the expert probe's series (:mod:`fp8flow_ao.torchtitan.probe`).
+    """
     import fp8flow_ao.torchtitan  # noqa: F401  (registers converter, datasets, the fp8flow_gpu flavor)
     from fp8flow_ao.torchtitan import cpu
     from fp8flow_ao.torchtitan.record import train_recorded
 
     if device == "cpu":
-        return cpu.train_recorded_on_cpu(args, init_logging=False)
+        return cpu.train_recorded_on_cpu(args, init_logging=False, probe_every=probe_every)
     if device != "cuda":
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     from torchtitan.config import ConfigManager
@@ -58,7 +61,7 @@ def train(args: list[str], device: str):
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     try:
-        return train_recorded(ConfigManager().parse_args(args))
+        return train_recorded(ConfigManager().parse_args(args), probe_every)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

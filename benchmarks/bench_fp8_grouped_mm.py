@@ -53,6 +53,7 @@ from _bench import (  # noqa: E402
 from bench_grouped_gemm_fp8_blockwise import DEFAULT_CASES as ANCHOR_CASES  # noqa: E402
 
 from fp8flow_ao._format import BLOCK  # noqa: E402
+from fp8flow_ao.debug import sqnr_db  # noqa: E402
 from fp8flow_ao.shapes import DEEPSEEK_V3, QWEN3_30B_A3B  # noqa: E402
 
 # (M, K, N, E, routing): "balanced" / "skewed" groups padded to multiples of 128 rows (the FP8-Flow
@@ -136,11 +137,6 @@ def fp32_reference(p: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return out, grad_a, grad_w
 
 
-def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.detach().double(), x.detach().double()
-    return round(float(10 * torch.log10(ref.square().sum() / (ref - x).square().sum())), 2)
-
-
 def accuracy(fn: Callable, p: dict, ref: tuple) -> dict[str, float]:
     """SQNR of out, dA, dW against the fp32 reference, over the rows inside the groups."""
     a, w = p["a"].detach().requires_grad_(), p["w"].detach().requires_grad_()
@@ -149,7 +145,7 @@ def accuracy(fn: Callable, p: dict, ref: tuple) -> dict[str, float]:
     rows = sum(p["counts"])
     got = (out[:rows], grad_a[:rows], grad_w)
     want = (ref[0][:rows], ref[1][:rows], ref[2])
-    return {name: sqnr_db(r, x) for name, r, x in zip(("out", "dA", "dW"), want, got, strict=True)}
+    return {name: round(sqnr_db(r, x), 2) for name, r, x in zip(("out", "dA", "dW"), want, got, strict=True)}
 
 
 def timed(fn: Callable, p: dict, mode: str) -> float:

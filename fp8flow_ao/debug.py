@@ -1,4 +1,4 @@
-"""Debug helpers: count the fp8flow ops a step runs, the explicit BF16->FP8 casts among them.
+"""Debug helpers: count the fp8flow ops a step runs, the explicit BF16->FP8 casts among them; SQNR.
 
 FP8-Flow's promise is two explicit activation casts per MoE layer per step (the layer input in
 forward, the output gradient in backward); every other FP8 tensor comes out of a fused kernel
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that take a BF16/FP32 activation or gradient to FP8 on their own: the casts FP8-Flow counts.
@@ -38,3 +39,13 @@ class FP8FlowOpCounter(TorchDispatchMode):
     def activation_casts(self) -> int:
         """Explicit BF16/FP32 -> FP8 activation/gradient casts seen (see ``ACTIVATION_CAST_OPS``)."""
         return sum(self.counts[name] for name in ACTIVATION_CAST_OPS)
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio ``10 log10(||ref||^2 / ||ref - out||^2)`` in dB (fp64).
+
+    ``inf`` when ``out`` equals ``ref``; the tests, benchmarks and the training probe
+    (:mod:`fp8flow_ao.torchtitan.probe`) all measure FP8 error with it.
+    """
+    ref, out = ref.detach().double(), out.detach().double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))

@@ -11,6 +11,7 @@ import torch
 from conftest import INTERPRETING
 
 from fp8flow_ao._format import BLOCK, FP8_DTYPE
+from fp8flow_ao.debug import sqnr_db  # noqa: F401  (the tests import it from here)
 
 
 def fp8_bits(t: torch.Tensor) -> torch.Tensor:
@@ -128,12 +129,6 @@ def assert_fp8_close(actual: torch.Tensor, expected: torch.Tensor, min_exact: fl
     assert n_differ <= (1 - min_exact) * a.numel(), f"{name}: {n_differ} of {a.numel()} elements differ"
     far = differ & ((a - e).abs() > 1)
     assert not bool(far.any()), f"{name}: {int(far.sum())} elements more than one E4M3 step apart"
-
-
-def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio ``10 log10(||ref||^2 / ||ref - out||^2)`` in dB (fp64)."""
-    ref, out = ref.detach().double(), out.detach().double()
-    return float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))
 
 
 # Relative error (Frobenius norm) of the grouped GEMMs against fp32 math on the dequantized operands.

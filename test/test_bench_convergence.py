@@ -3,6 +3,8 @@
 The runs train on a tiny source corpus (the standard library's ``email`` package) so nothing large
 is built; what is checked is the plumbing: same data and seed give the same first loss, the held-out
 loss is recorded at the validation steps, and the report's gaps, table and PNG come out of the runs.
+Both recipes run with ``--probe-every 2``, FP8-Flow once more without it: the probe leaves the losses
+bit-identical, its records land in the run JSON, and the report shows them (and works without them).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     C.build_source_corpus(tmp / "corpus", spec, {"stdlib": Path(email.__file__).parent}, with_pydoc=False)
     common = ["--device", "cpu", "--steps", "3", "--val-freq", "2", "--corpus", str(tmp / "corpus")]
     for recipe in ("bf16", "fp8flow"):
-        bc.main(["--recipe", recipe, *common, "--runs-dir", str(tmp / "runs")])
+        bc.main(["--recipe", recipe, *common, "--probe-every", "2", "--runs-dir", str(tmp / "runs")])
+    bc.main(["--recipe", "fp8flow", *common, "--runs-dir", str(tmp / "unprobed")])
     bc.main(["--report", "--runs-dir", str(tmp / "runs"), "--results-dir", str(tmp / "results")])
     return tmp / "runs", tmp / "results"
 
@@ -52,6 +55,46 @@ def test_runs_record_losses_and_heldout_on_the_same_data(runs: tuple[Path, Path]
     assert fp8["corpus"] == bf16["corpus"] and fp8["corpus"]["train_tokens"] >= 20_000
 
 
+def test_probe_leaves_training_bit_identical(runs: tuple[Path, Path]) -> None:
+    runs_dir, _ = runs
+    probed, plain = (json.loads((d / "fp8flow.json").read_text()) for d in (runs_dir, runs_dir.parent / "unprobed"))
+    assert probed["probe_every"] == 2 and plain["probe_every"] == 0 and plain["probes"] == []
+    for key in ("losses", "grad_norms", "validation"):
+        assert probed[key] == plain[key], key
+
+
+def test_probe_records_per_layer_sqnr_and_expert_grad_norms(runs: tuple[Path, Path]) -> None:
+    runs_dir, _ = runs
+    bf16, fp8 = (json.loads((runs_dir / f"{n}.json").read_text()) for n in ("bf16", "fp8flow"))
+    assert [p["step"] for p in fp8["probes"]] == [1, 2], "step 1 and every --probe-every steps"
+    layers = list(fp8["expert_grad_norms"])
+    assert len(layers) >= 2 and all(fqn.endswith(".moe") for fqn in layers)
+    for probe in fp8["probes"]:
+        assert list(probe["layers"]) == layers, "every converted MoE layer"
+        for fqn, sqnr in probe["layers"].items():
+            assert list(sqnr) == ["out", "dx", "dscores", "dw1", "dw2", "dw3"]
+            assert all(math.isfinite(v) and v > 15 for v in sqnr.values()), (probe["step"], fqn, sqnr)
+    assert bf16["probes"] == [] and list(bf16["expert_grad_norms"]) == layers, "BF16: grad norms only"
+    for r in (bf16, fp8):
+        for norms in r["expert_grad_norms"].values():
+            assert list(norms) == ["w1", "w2", "w3"]
+            assert all(len(v) == 3 and all(math.isfinite(x) and x > 0 for x in v) for v in norms.values())
+
+
+def test_report_without_probes(tmp_path: Path, runs: tuple[Path, Path]) -> None:
+    """Runs recorded before --probe-every existed (the committed ones) have no probe fields."""
+    runs_dir, _ = runs
+    for name in ("bf16", "fp8flow"):
+        r = json.loads((runs_dir / f"{name}.json").read_text())
+        old = {k: v for k, v in r.items() if k not in ("probe_every", "probes", "expert_grad_norms")}
+        (tmp_path / "runs").mkdir(exist_ok=True)
+        (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(old))
+    bc.report(tmp_path / "runs", tmp_path / "results")
+    md = (tmp_path / "results" / "convergence.md").read_text()
+    assert "| fp8flow | FP8-Flow blockwise |" in md and "Per-layer numerics" not in md
+    assert not (tmp_path / "results" / bc.PROBE_PNG).exists()
+
+
 def test_report_merges_runs_into_json_md_png(runs: tuple[Path, Path]) -> None:
     _, results = runs
     doc = json.loads((results / "convergence.json").read_text())
@@ -63,6 +106,11 @@ def test_report_merges_runs_into_json_md_png(runs: tuple[Path, Path]) -> None:
     md = (results / "convergence.md").read_text()
     assert "| fp8flow | FP8-Flow blockwise |" in md and "convergence.png" in md
     assert (results / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    layers = list(doc["curves"]["fp8flow"]["expert_grad_norms"])
+    for layer in layers:  # the probe's SQNR table: fp8flow's layers; the grad-norm table: both runs, fp8 vs bf16
+        assert md.count(f"| fp8flow | {layer} |") == 2 and md.count(f"| bf16 | {layer} |") == 1
+    assert doc["probes"]["fp8flow"]["sqnr"][layers[0]]["dx"]["min_step"] in (1, 2)
+    assert (results / bc.PROBE_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and bc.PROBE_PNG in md
 
 
 def test_report_refuses_runs_on_other_data_or_without_bf16(tmp_path: Path, runs: tuple[Path, Path]) -> None:

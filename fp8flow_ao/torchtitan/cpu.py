@@ -151,8 +151,11 @@ def train(args: list[str], init_logging: bool = True) -> list[float]:
     return train_recorded_on_cpu(args, init_logging).losses
 
 
-def train_recorded_on_cpu(args: list[str], init_logging: bool = True):
-    """Parse torchtitan command-line ``args``, train on the CPU; return the :class:`~fp8flow_ao.torchtitan.record.RunRecord`."""
+def train_recorded_on_cpu(args: list[str], init_logging: bool = True, probe_every: int = 0):
+    """Parse torchtitan command-line ``args``, train on the CPU; return the :class:`~fp8flow_ao.torchtitan.record.RunRecord`.
+
+    ``probe_every``: :func:`~fp8flow_ao.torchtitan.record.train_recorded`'s.
+    """
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
 
@@ -162,7 +165,7 @@ def train_recorded_on_cpu(args: list[str], init_logging: bool = True):
         init_logger()
     config = ConfigManager().parse_args(args)
     with torchtitan_on_cpu(config.model.name):
-        return train_recorded(config)
+        return train_recorded(config, probe_every)
 
 
 if __name__ == "__main__":

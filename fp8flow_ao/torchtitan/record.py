@@ -2,7 +2,9 @@
 
 :func:`train_recorded` trains one parsed job config and returns a :class:`RunRecord`: the loss and
 gradient norm of every logged step, each step's wall time (synchronized on CUDA, so it is the
-step's device time plus the data loading of that step), the held-out losses, the peak memory.
+step's device time plus the data loading of that step), the held-out losses, the peak memory, and
+with ``probe_every`` the series of :mod:`fp8flow_ao.torchtitan.probe` (per-layer SQNR of the FP8-Flow
+experts along the run, expert grad norms; measured between the timed steps, except the norms).
 
 Validation: torchtitan's ``Validator`` runs when ``validation.enable`` is set, but 0.2.2's
 ``deepseek_v3`` train spec has no ``build_validator_fn`` (the Trainer asserts on it), so the model is
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 
+from fp8flow_ao.torchtitan.probe import ExpertProbe
+
 
 @dataclass
 class RunRecord:
@@ -36,6 +40,12 @@ class RunRecord:
     tokens_per_step: int = 0
     peak_mem_gib: float | None = None
     """``torch.cuda.max_memory_allocated`` over the run; None on the CPU."""
+    probe_every: int = 0
+    """0, or the period of the :class:`~fp8flow_ao.torchtitan.probe.ExpertProbe` that filled the two fields below."""
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    """Per probe step, per converted MoE layer: SQNR (dB) of the FP8-Flow routed experts vs fp32."""
+    expert_grad_norms: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """Per MoE layer and expert weight (w1, w2, w3): every step's gradient norm before clipping."""
 
     def to_json(self) -> dict[str, Any]:
         """The record as JSON-ready data (validation keys become strings, as JSON needs)."""
@@ -89,8 +99,8 @@ def _build_trainer(config: Any) -> Any:
     return trainer
 
 
-def _hook(trainer: Any, record: RunRecord, sync: Callable[[], None]) -> None:
-    """Wrap the trainer's step (timed) and metric logging (recorded) in place."""
+def _hook(trainer: Any, record: RunRecord, sync: Callable[[], None], probe: ExpertProbe | None) -> None:
+    """Wrap the trainer's step (timed; the probe, if any, around it, untimed) and metric logging (recorded) in place."""
     train_step, log, log_validation = (
         trainer.train_step,
         trainer.metrics_processor.log,
@@ -98,11 +108,15 @@ def _hook(trainer: Any, record: RunRecord, sync: Callable[[], None]) -> None:
     )
 
     def timed_step(data_iterator) -> None:
+        if probe is not None:
+            probe.before_step(trainer.step)  # the trainer counts the step before running it
         sync()
         start = time.perf_counter()
         train_step(data_iterator)
         sync()
         record.step_seconds.append(time.perf_counter() - start)
+        if probe is not None:
+            probe.after_step(trainer.step)
 
     def log_step(step: int, loss: float, max_loss: float, grad_norm: float, *rest, **kwargs) -> None:
         record.losses.append(float(loss))
@@ -118,22 +132,34 @@ def _hook(trainer: Any, record: RunRecord, sync: Callable[[], None]) -> None:
     trainer.metrics_processor.log_validation = log_held_out
 
 
-def train_recorded(config: Any) -> RunRecord:
+def train_recorded(config: Any, probe_every: int = 0) -> RunRecord:
     """Train the parsed torchtitan ``JobConfig`` ``config`` in this process; return what it measured.
 
-    On the CPU call it inside :func:`fp8flow_ao.torchtitan.cpu.torchtitan_on_cpu`.
+    ``probe_every > 0`` also watches the MoE layers with an :class:`~fp8flow_ao.torchtitan.probe.ExpertProbe`
+    (per-layer SQNR of the FP8-Flow experts at step 1 and every ``probe_every`` steps, expert grad
+    norms every step; the losses are unchanged). On the CPU call it inside
+    :func:`fp8flow_ao.torchtitan.cpu.torchtitan_on_cpu`.
     """
     trainer = _build_trainer(config)
     cuda = trainer.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     record = RunRecord(tokens_per_step=config.training.local_batch_size * config.training.seq_len)
-    _hook(trainer, record, sync)
+    probe = None
+    if probe_every:
+        if trainer.parallel_dims.world_size != 1 or len(trainer.model_parts) != 1:
+            raise ValueError("probe_every: the expert probe runs on one-process runs only (whole weights)")
+        probe = ExpertProbe(trainer.model_parts[0], probe_every)
+        record.probe_every = probe_every
+    _hook(trainer, record, sync, probe)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     try:
         trainer.train()
     finally:
         trainer.close()
+        if probe is not None:
+            probe.remove()
+            record.probes, record.expert_grad_norms = probe.probes, probe.grad_norms()
     if cuda:
         record.peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30
     return record
