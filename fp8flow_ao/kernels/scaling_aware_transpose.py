@@ -103,7 +103,7 @@ def default_transpose_config(k: int) -> TransposeConfig:
 
     Measured (H200, triton 3.6, ``scaling_aware_transpose_sweep.md``, 2026-11-23): 64-69% of copy
     bandwidth at K=7168, 51-62% at K=2048 (the old autotuned kernel: 40-68% / 16-41%). 8 tiles per
-    program is 2-5% faster at K=7168 and at M=32768 K=2048 but 15% slower at M=16384 K=2048 (a tail
+    program is 2-5% faster at K=7168 and at M=32768 K=2048 but 9-17% slower at M=16384 K=2048 (a tail
     of programs), so 4 stays; the launch order (group_m 8 / None / 1) moves results by under 3%."""
     return TransposeConfig(k_blocks_per_program=4, num_warps=8, max_registers=128, group_m=8)
 
