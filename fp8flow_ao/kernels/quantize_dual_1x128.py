@@ -25,7 +25,6 @@ import triton.language as tl
 
 from fp8flow_ao._checks import check_group_end_offsets, check_multiple, check_row_major, check_same_device, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
-from fp8flow_ao.kernels._grouped_gemm_common import sm_count
 from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -33,16 +32,10 @@ _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Launch settings: warps, a register cap, and how programs map to tiles.
-
-    ``programs_per_sm=None`` launches one program per 128 x 128 tile. Otherwise the grid is
-    ``programs_per_sm`` x the SM count and each program walks the tiles with that stride, loading
-    the next tile while it quantizes and stores this one.
-    """
+    """Launch settings of the one-tile-per-program kernel: warps and a register cap."""
 
     num_warps: int
     maxnreg: int | None = None
-    programs_per_sm: int | None = None
 
 
 def quantize_dual_1x128_configs() -> list[LaunchConfig]:
@@ -55,68 +48,19 @@ def quantize_dual_1x128_configs() -> list[LaunchConfig]:
     stack bytes), SASS instructions per tile a thread (ptxas sm_90a), and the H200 sweep of
     2026-11-23 (``quantize_dual_1x128_sweep.md``, % of copy bandwidth over the six benchmark cases):
 
-    * one tile per program, 8 warps: 127 registers, two programs per SM, 1320 instructions:
-      **66.6-72.3%, best on every case** (the default). The amax that ignores NaN instead of
-      masking it cut ~200 instructions and ~10 registers from the 58-64% kernel before;
-    * persistent (each program loads its next tile before it quantizes this one), 8 warps capped
-      at 128: 40 B stack, two per SM, 1452: 60.5-66.2% -- the prefetch did not pay for the cap's
-      spills and extra instructions; persistent 8 warps: 227, one per SM: 52.0-55.4%; 16 warps: 120,
-      one per SM, 898 (x 16 warps): 44.4-47.2%; 16 warps capped at 64: 216 B stack, two per SM: 31.7-33.3%;
-    * one tile per program capped at 80 (152 B stack), three per SM: 53.4-57.2%; 16 warps: 43.0-47.2%.
+    * 8 warps: 127 registers, two programs per SM, 1320 instructions: **66.6-72.3%, best on every
+      case** (the default). The amax that ignores NaN instead of masking it cut ~200 instructions
+      and ~10 registers from the 58-64% kernel before;
+    * capped at 80 registers (152 B stack), three per SM: 53.4-57.2%; 16 warps: 43.0-47.2%.
+
+    A persistent variant (each program loading its next tile while it quantizes this one) measured
+    slower in every form in the same sweep (60.5-66.2% at 8 warps capped at 128, two per SM; 31.7-55.4%
+    otherwise) and was removed; its rows stay in the sweep table.
     """
-    return [
-        LaunchConfig(num_warps=8),
-        LaunchConfig(num_warps=8, maxnreg=128, programs_per_sm=2),
-        LaunchConfig(num_warps=8, programs_per_sm=1),
-        LaunchConfig(num_warps=16, programs_per_sm=1),
-        LaunchConfig(num_warps=16, maxnreg=64, programs_per_sm=2),
-        LaunchConfig(num_warps=8, maxnreg=80),
-        LaunchConfig(num_warps=16),
-    ]
+    return [LaunchConfig(num_warps=8), LaunchConfig(num_warps=8, maxnreg=80), LaunchConfig(num_warps=16)]
 
 
 DEFAULT_CONFIG = quantize_dual_1x128_configs()[0]
-
-
-@triton.jit
-def _tile_rows_cols(tile, N, TILE: tl.constexpr):
-    """Row and column indices of tile ``tile``; N tiles vary fastest, so neighbouring tiles are
-    neighbouring columns of the same rows."""
-    tiles_n = N // TILE
-    rows = (tile // tiles_n) * TILE + tl.arange(0, TILE)
-    cols = (tile % tiles_n) * TILE + tl.arange(0, TILE)
-    return rows, cols
-
-
-@triton.jit
-def _load_tile(tile, g_ptr, end, N, stride_gm, TILE: tl.constexpr):
-    """The ``TILE x TILE`` tile ``tile`` of ``g``; rows at or past ``end`` are padding: masked off
-    (never read) and loaded as 0, so their data is written as +0."""
-    rows, cols = _tile_rows_cols(tile, N, TILE)
-    ptrs = g_ptr + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :]
-    return tl.load(ptrs, mask=(rows < end)[:, None], other=0.0)
-
-
-@triton.jit
-def _quantize_tile(g, tile, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, end, M, N, TILE: tl.constexpr):
-    """Quantize the loaded tile ``g`` both ways and store it, its scales and its padding zeros."""
-    rows, cols = _tile_rows_cols(tile, N, TILE)
-    tiles_n = N // TILE
-    row_ok = rows < end
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
-    x = g.to(tl.float32)
-    row_scale_inv, row_scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=1))
-    col_scale_inv, col_scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=0))
-    row_q = (x * row_scale[:, None]).to(tl.float8e4nv)
-    col_q = (x * col_scale[None, :]).to(tl.float8e4nv)
-    tl.store(row_data_ptr + rows64[:, None] * N + cols64[None, :], row_q)
-    tl.store(row_scale_ptr + rows64 * tiles_n + tile % tiles_n, tl.where(row_ok, row_scale_inv, 0.0))
-    # col_data[n, m] = quantized g[m, n]: tokens contiguous for the wgrad GEMM.
-    tl.store(col_data_ptr + cols64[:, None] * M + rows64[None, :], tl.trans(col_q))
-    block = tile // tiles_n
-    block_ok = block * TILE < end
-    tl.store(col_scale_ptr + block.to(tl.int64) * N + cols64, tl.where(block_ok, col_scale_inv, 0.0))
 
 
 @triton.jit
@@ -132,27 +76,32 @@ def _quantize_dual_1x128_kernel(
     stride_gm,
     num_groups,
     HAS_OFFSETS: tl.constexpr,
-    PERSISTENT: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    """One tile per program, or (``PERSISTENT``) tiles ``pid, pid + programs, ...``, each loaded while
-    the one before it is quantized."""
+    """One ``TILE x TILE`` tile per program (N tiles vary fastest): quantized both ways and stored
+    with its scales; rows at or past the last group end are padding: masked off (never read) and
+    loaded as 0, so their data is written as +0 and their scales as 0."""
     # The last padded group end, read on the device: rows at or past it are padding.
     end = tl.load(offsets_ptr + num_groups - 1) if HAS_OFFSETS else M
-    first = tl.program_id(0)
-    g = _load_tile(first, g_ptr, end, N, stride_gm, TILE)
-    if PERSISTENT:
-        num_tiles = (M // TILE) * (N // TILE)
-        step = tl.num_programs(0)
-        # Prefetched by hand into registers: Triton's own pipelining (cp.async) would read the
-        # column-wise tile back from unswizzled shared memory, 8-way bank conflicts (sm_90a ttgir).
-        for tile in tl.range(first, num_tiles, step, num_stages=1):
-            # Past the last tile this loads nothing (all rows masked) and is never used.
-            next_g = _load_tile(tile + step, g_ptr, tl.where(tile + step < num_tiles, end, 0), N, stride_gm, TILE)
-            _quantize_tile(g, tile, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, end, M, N, TILE)
-            g = next_g
-    else:
-        _quantize_tile(g, first, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, end, M, N, TILE)
+    tile = tl.program_id(0)
+    tiles_n = N // TILE
+    rows = (tile // tiles_n) * TILE + tl.arange(0, TILE)
+    cols = (tile % tiles_n) * TILE + tl.arange(0, TILE)
+    row_ok = rows < end
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    x = tl.load(g_ptr + rows64[:, None] * stride_gm + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    row_scale_inv, row_scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=1))
+    col_scale_inv, col_scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=0))
+    row_q = (x * row_scale[:, None]).to(tl.float8e4nv)
+    col_q = (x * col_scale[None, :]).to(tl.float8e4nv)
+    tl.store(row_data_ptr + rows64[:, None] * N + cols64[None, :], row_q)
+    tl.store(row_scale_ptr + rows64 * tiles_n + tile % tiles_n, tl.where(row_ok, row_scale_inv, 0.0))
+    # col_data[n, m] = quantized g[m, n]: tokens contiguous for the wgrad GEMM.
+    tl.store(col_data_ptr + cols64[:, None] * M + rows64[None, :], tl.trans(col_q))
+    block = tile // tiles_n
+    block_ok = block * TILE < end
+    tl.store(col_scale_ptr + block.to(tl.int64) * N + cols64, tl.where(block_ok, col_scale_inv, 0.0))
 
 
 def _allocate(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,20 +119,15 @@ def launch_quantize_dual_1x128(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`quantize_dual_1x128`.
 
-    Tests pass each of :func:`quantize_dual_1x128_configs` to prove they agree; on the CPU
-    interpreter a persistent config counts one SM.
+    Tests pass each of :func:`quantize_dual_1x128_configs` to prove they agree.
     """
     m, n = g.shape
     row_data, row_scale, col_data, col_scale = _allocate(g)
     num_tiles = (m // BLOCK) * (n // BLOCK)
     if num_tiles == 0:
         return row_data, row_scale, col_data, col_scale
-    persistent = config.programs_per_sm is not None
-    grid = num_tiles
-    if persistent:
-        grid = min(num_tiles, config.programs_per_sm * (sm_count(g.device) if g.is_cuda else 1))
     has_offsets = group_end_offsets is not None
-    _quantize_dual_1x128_kernel[(grid,)](
+    _quantize_dual_1x128_kernel[(num_tiles,)](
         g,
         row_data,
         row_scale,
@@ -195,7 +139,6 @@ def launch_quantize_dual_1x128(
         g.stride(0),
         group_end_offsets.shape[0] if has_offsets else 0,
         HAS_OFFSETS=has_offsets,
-        PERSISTENT=persistent,
         TILE=BLOCK,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,
