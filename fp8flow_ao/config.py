@@ -88,11 +88,8 @@ class FP8FlowConfig(AOBaseConfig):
               ``torch.compile`` it runs as ``"forward"``. With FSDP2 outside torchtitan, call
               ``fp8flow_ao.weight_cache.EXPERT_WEIGHT_CACHE.invalidate()`` after each optimizer step.
 
-            Measured (H200, ``bench_moe_layer.py``, compiled, DeepSeek-like T=4096 D=7168 H=2048 E=32,
-            fwd+bwd, 2026-11-23, before FC1's weight gradients left the layer contiguous, which took
-            ~2 ms off every mode): ``"off"`` 14.68 ms, ``"forward"`` 14.61 ms (within run-to-run
-            spread), peak 4.49 GiB both; activations held 36% / 113% of BF16's. ``"step"`` eager: not
-            yet measured.
+            Measured figures: :mod:`fp8flow_ao.weight_cache` (``"forward"`` was no faster than
+            ``"off"`` in the compiled layer benchmark).
         fsdp_fp8_all_gather: under FSDP2, all-gather the expert weights as 128x128 FP8 tiles + scales
             (0.50x the BF16 bytes; each rank quantizes only its own shard, once per step) instead of in
             their own dtype; the layer then uses the gathered tiles directly, and the dgrads' exact

@@ -21,7 +21,8 @@ often that happens, trading memory for speed:
   ``torch.compile`` it acts as ``"forward"`` (see below).
 
 Measured on one H200 (``bench_moe_layer.py``, torch.compile, DeepSeek-like T=4096, D=7168, H=2048,
-E=32, top-8, median of 3; 2026-11-23): ``"off"`` 14.68 ms, activations held 36% of BF16's;
+E=32, top-8, median of 3; 2026-11-23, before FC1's weight gradients left the layer contiguous, which
+took ~2 ms and ~1.3 GiB of peak off the step): ``"off"`` 14.68 ms, activations held 36% of BF16's;
 ``"forward"`` 14.61 ms (within the spread), activations 113% of BF16's; peak 4.49 GiB for both
 (BF16: 3.31 GiB). ``"forward"`` saves one read of the BF16 weights, but the forward then writes both
 orientations, so the weight bytes written are the same: no measurable gain there. ``"step"`` runs as
