@@ -240,6 +240,25 @@ def test_converted_layer_compiles_fullgraph(runs, routing):
         assert sqnr_db(eager[key], compiled[key]) >= 30, key
 
 
+def test_compile_backend_compiles_the_routed_call_once_for_all_layers(runs):
+    """``fp8flow_compile_backend`` (the torchtitan converter's ``compile_experts``) runs the experts' call of
+    the routed path under torch.compile(fullgraph=True): the same bits as eager; the layer's own forward
+    and the experts module's ``__call__`` (its hooks) stay eager; one graph serves same-shaped layers."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    x, grad = runs["balanced"]["inputs"]
+    for _ in range(2):  # two layers
+        moe = convert_moe_layer(copy.deepcopy(runs["balanced"]["model"]))
+        moe.experts.fp8flow_compile_backend = "aot_eager"
+        got = run_step(moe, x, grad)
+        for key in ("out", "x", *PARAMS):
+            assert torch.equal(got[key], runs["balanced"][False][key]), key
+    assert len(_debug_get_cache_entry_list(fp8flow_routed_experts.__code__)) == 1
+    assert not _debug_get_cache_entry_list(FP8FlowMoE.forward.__code__)
+    assert not _debug_get_cache_entry_list(type(moe.experts).forward.__code__)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
