@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -283,14 +284,26 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def compiled_routed_experts(backend: str):
+def compiled_routed_experts(backend: str | Callable):
     """:func:`fp8flow_routed_experts` under ``torch.compile(fullgraph=True, backend=backend)``, one per backend.
 
     One compiled function for every layer: dynamo caches graphs on the function's code and guards on
     its arguments (shapes, dtypes, the Python options), so same-shaped layers share one graph instead
     of recompiling per layer up to dynamo's recompile limit.
+
+    Traced without AOT autograd's common-subexpression elimination: backward re-permutes the saved
+    ``x8`` ``[T, D]`` with the very call forward made, and CSE would merge the two, so the graph would
+    save the permuted rows ``[~k*T, D]`` for backward instead (k times the bytes, padding included, also
+    with ``recompute_experts``). The flag is read while a graph is traced, i.e. on the calls that compile.
     """
-    return torch.compile(fp8flow_routed_experts, fullgraph=True, backend=backend)
+    compiled = torch.compile(fp8flow_routed_experts, fullgraph=True, backend=backend)
+
+    @functools.wraps(fp8flow_routed_experts)
+    def routed(*args, **kwargs):
+        with torch._functorch.config.patch(cse=False):
+            return compiled(*args, **kwargs)
+
+    return routed
 
 
 class FP8FlowGroupedExperts:
@@ -320,7 +333,9 @@ class FP8FlowGroupedExperts:
     def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         routed = fp8flow_routed_experts
-        if self.fp8flow_compile_backend is not None and self.fp8flow_ep_group is None:
+        # Inside a graph being traced already (a user compiling the layer) the path is traced with it.
+        compile_ = self.fp8flow_compile_backend is not None and self.fp8flow_ep_group is None
+        if compile_ and not torch.compiler.is_compiling():
             routed = compiled_routed_experts(self.fp8flow_compile_backend)
         return routed(
             x,
