@@ -4,8 +4,13 @@ Trains ``torchtitan_configs/deepseek_v3_debug_bf16.toml`` with torchtitan's own 
 process on one GPU, for ``--steps`` steps on the offline corpus, once per selected combination of
 
 * ``--compile on off``: ``compile.enable`` (torchtitan compiles each block's submodules; in 0.2.2
-  ``apply_compile`` skips the MoE's ``experts`` child, so the routed experts of every recipe, the
-  FP8-Flow path included, run eagerly: its Triton kernels as launched, the glue ops uncompiled);
+  ``apply_compile`` skips the MoE's ``experts`` child and compiles only BF16's expert function
+  ``_run_experts_grouped_mm``; the FP8-Flow converter compiles its own routed path, see next);
+* ``--compile-experts on off``: ``fp8flow.compile_experts`` (FP8-Flow runs with compile on only; runs
+  with compile off ignore it): "on" compiles the FP8-Flow routed path (quantize, permute, GEMMs,
+  SwiGLU, combine and their backward) as one graph, "off" runs it eagerly (its Triton kernels as
+  launched, the glue ops uncompiled). Default: the converter's default "auto" only, which compiles
+  it whenever ``compile.enable`` is on. Run names and report rows say "experts compiled" or "eager";
 * ``--ac none selective full``: ``activation_checkpoint.mode`` (``selective`` with
   ``--selective-ac-option``, default ``op``: torchtitan's per-op policy that its DeepSeek-V3 configs use);
 * ``--recompute off on``: ``fp8flow.recompute_experts`` (FP8-Flow only: BF16 and row-wise have no
@@ -18,7 +23,7 @@ Each run's median step time after ``--warmup`` steps gives tokens/s (local batch
 step time); peak = ``max_memory_allocated`` of the run. Runs are written one file each under
 ``--runs-dir`` as they finish, so a selection that fits one 10-minute GPU command can be run per
 invocation; ``--report`` merges every run found into ``torchtitan_e2e.{json,md}`` (one row per flavor,
-compile, AC and recompute setting; the same-settings BF16 run is the baseline). Wall time: about
+compile, experts, AC and recompute setting; the same-settings BF16 run is the baseline). Wall time: about
 40 s per run without compile and 60-90 s with it for ``fp8flow_gpu`` (startup, compile, 30 steps).
 
 ``--device cpu`` runs the same path on torchtitan's ``debugmodel`` through the CPU runner with tiny
@@ -46,13 +51,31 @@ CPU_ARGS = [
 ]  # fmt: skip
 
 
-def run_name(flavor: str, compile_: bool, ac: str, recipe: str, recompute: bool) -> str:
+def experts_mode(recipe: str, compile_: bool, compile_experts: str) -> str | None:
+    """How an FP8-Flow run with compile on runs its routed experts ("compiled" or "eager") under
+    ``fp8flow.compile_experts``; None where the option does not apply (other recipes, compile off)."""
+    if recipe != "fp8flow" or not compile_:
+        return None
+    return "eager" if compile_experts == "off" else "compiled"  # "auto" compiles under compile.enable
+
+
+def run_name(flavor: str, compile_: bool, ac: str, recipe: str, recompute: bool, experts: str | None) -> str:
     """The file stem of one run: every setting that tells runs apart."""
-    return f"{flavor}_compile-{'on' if compile_ else 'off'}_ac-{ac}_{recipe}{'_recompute' if recompute else ''}"
+    stem = f"{flavor}_compile-{'on' if compile_ else 'off'}_ac-{ac}_{recipe}{'_recompute' if recompute else ''}"
+    return stem + (f"_experts-{experts}" if experts else "")
 
 
-def run_flags(args: argparse.Namespace, flavor: str, compile_: bool, ac: str, recipe: str, recompute: bool, dump: str):
-    """torchtitan flags of one run."""
+def run_flags(
+    args: argparse.Namespace,
+    flavor: str,
+    compile_: bool,
+    ac: str,
+    recipe: str,
+    recompute: bool,
+    experts: str | None,
+    dump: str,
+):
+    """torchtitan flags of one run (experts "compiled" is the converter's default under compile.enable)."""
     flags = [*common_args(BASE_TOML, dump), *recipe_args(recipe), "--model.flavor", flavor]
     flags += ["--training.steps", str(args.steps), "--compile.enable" if compile_ else "--compile.no-enable"]
     flags += [
@@ -62,18 +85,21 @@ def run_flags(args: argparse.Namespace, flavor: str, compile_: bool, ac: str, re
         args.selective_ac_option,
     ]
     flags += ["--fp8flow.recompute_experts"] if recompute else []
+    flags += ["--fp8flow.compile_experts", "off"] if experts == "eager" else []
     return flags + (CPU_ARGS if args.device == "cpu" else [])
 
 
-def selected_runs(args: argparse.Namespace) -> list[tuple[str, bool, str, str, bool]]:
-    """(flavor, compile, ac, recipe, recompute) of every run the arguments select."""
+def selected_runs(args: argparse.Namespace) -> list[tuple[str, bool, str, str, bool, str | None]]:
+    """(flavor, compile, ac, recipe, recompute, experts mode) of every run the arguments select."""
     out = []
-    for flavor, c, ac, recipe, r in itertools.product(
-        args.flavors, args.compile, args.ac, args.recipes, args.recompute
+    for flavor, c, ac, recipe, r, ce in itertools.product(
+        args.flavors, args.compile, args.ac, args.recipes, args.recompute, args.compile_experts
     ):
         if r == "on" and recipe != "fp8flow":
             continue  # only FP8-Flow has recompute_experts; its baseline is the same BF16 run
-        out.append((flavor, c == "on", ac, recipe, r == "on"))
+        run = (flavor, c == "on", ac, recipe, r == "on", experts_mode(recipe, c == "on", ce))
+        if run not in out:  # compile_experts leaves other recipes and compile-off runs as they are
+            out.append(run)
     return out
 
 
@@ -81,15 +107,16 @@ def measure(args: argparse.Namespace) -> list[Path]:
     """Train every selected run; write each as ``<runs_dir>/<run_name>.json`` as soon as it finishes."""
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for flavor, compile_, ac, recipe, recompute in selected_runs(args):
-        name = run_name(flavor, compile_, ac, recipe, recompute)
+    for run in selected_runs(args):
+        flavor, compile_, ac, recipe, recompute, experts = run
+        name = run_name(*run)
         print(f"=== {name}", flush=True)
         with tempfile.TemporaryDirectory() as dump:
-            record = train(run_flags(args, flavor, compile_, ac, recipe, recompute, dump), args.device)
+            record = train(run_flags(args, *run, dump), args.device)
         if args.device == "cuda":
             torch.cuda.empty_cache()
         result = {
-            "flavor": flavor, "compile": compile_, "ac": ac, "recipe": recipe, "recompute": recompute,
+            "flavor": flavor, "compile": compile_, "ac": ac, "recipe": recipe, "recompute": recompute, "experts": experts,
             "steps": args.steps, "warmup": args.warmup, "tokens_per_step": record.tokens_per_step,
             "step_us": 1e6 * record.tokens_per_step / tokens_per_s(record, args.warmup),
             "tokens_per_s": round(tokens_per_s(record, args.warmup)), "peak_mem_gib": record.peak_mem_gib,
@@ -106,15 +133,25 @@ def _gib(run: dict[str, Any] | None) -> float | None:
     return None if run is None or run["peak_mem_gib"] is None else round(run["peak_mem_gib"], 2)
 
 
+def _experts(run: dict[str, Any]) -> str | None:
+    """A run's experts mode; runs written before ``--compile-experts`` existed ran the FP8-Flow experts eagerly."""
+    if "experts" in run:
+        return run["experts"]
+    return experts_mode(run["recipe"], run["compile"], "off")
+
+
 def report_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One PERF.md row per (flavor, compile, ac, recompute) that has an FP8-Flow run: FP8-Flow vs same-settings BF16."""
-    by_key = {(r["flavor"], r["compile"], r["ac"], r["recipe"], r["recompute"]): r for r in runs}
+    """One PERF.md row per (flavor, compile, ac, recompute, experts mode) that has an FP8-Flow run: FP8-Flow
+    vs same-settings BF16."""
+    # experts mode "" where it does not apply (None would not sort beside the strings)
+    by_key = {(r["flavor"], r["compile"], r["ac"], r["recipe"], r["recompute"], _experts(r) or ""): r for r in runs}
     rows = []
-    for (flavor, compile_, ac, recipe, recompute), ours in sorted(by_key.items()):
+    for (flavor, compile_, ac, recipe, recompute, experts), ours in sorted(by_key.items()):
         if recipe != "fp8flow":
             continue
-        bf16, rowwise = (by_key.get((flavor, compile_, ac, name, False)) for name in ("bf16", "rowwise"))
-        case = f"{flavor}, compile {'on' if compile_ else 'off'}, AC {ac}{', recompute_experts' if recompute else ''}"
+        bf16, rowwise = (by_key.get((flavor, compile_, ac, name, False, "")) for name in ("bf16", "rowwise"))
+        case = f"{flavor}, compile {'on' if compile_ else 'off'}{f', experts {experts}' if experts else ''}, AC {ac}"
+        case += ", recompute_experts" if recompute else ""
         rows.append(
             row(
                 f"{case}, {ours['tokens_per_step']} tokens/step",
@@ -149,8 +186,10 @@ def report(runs_dir: Path) -> Path:
         "torchtitan Trainer, one GPU; (steps, warm-up steps left out of the median) "
         f"{steps}; ours = FP8-Flow blockwise, baseline = BF16 with the same compile/AC settings; rowwise = "
         "torchao-style FP8 row-wise (fp8flow.recipe=rowwise); speedup = step-time ratio; peak = max "
-        "memory_allocated of the run. torchtitan 0.2.2 compiles each block's submodules but not the MoE's "
-        "routed experts (apply_compile skips `experts`), in every recipe."
+        "memory_allocated of the run. torchtitan 0.2.2's apply_compile skips each MoE's `experts` child (it "
+        "compiles BF16's expert function _run_experts_grouped_mm); with compile on, 'experts compiled' = "
+        "FP8-Flow's routed path compiled by fp8flow.compile_experts (its default), 'experts eager' = "
+        "compile_experts off."
     )
     return write_results("torchtitan_e2e", report_rows(runs), notes=notes, measured_on=(device, json.loads(versions_)))
 
@@ -164,6 +203,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ac", nargs="+", choices=AC_MODES, default=["none"])
     p.add_argument("--selective-ac-option", default="op", help="activation_checkpoint.selective_ac_option")
     p.add_argument("--recompute", nargs="+", choices=("off", "on"), default=["off"], help="fp8flow.recompute_experts")
+    p.add_argument(
+        "--compile-experts",
+        nargs="+",
+        choices=("auto", "on", "off"),
+        default=["auto"],
+        help="fp8flow.compile_experts (FP8-Flow runs with compile on; auto = on there)",
+    )
     p.add_argument("--recipes", nargs="+", choices=sorted(RECIPE_NAMES), default=["bf16", "rowwise", "fp8flow"])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median (compile, allocator)")

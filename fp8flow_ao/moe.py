@@ -39,7 +39,9 @@ swapped for a subclass whose ``forward`` runs this path; parameters, buffers, su
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -281,11 +283,41 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if hasattr(w, "to_local") else w
 
 
+@functools.cache
+def compiled_routed_experts(backend: str | Callable):
+    """:func:`fp8flow_routed_experts` under ``torch.compile(fullgraph=True, backend=backend)``, one per backend.
+
+    One compiled function for every layer: dynamo caches graphs on the function's code and guards on
+    its arguments (shapes, dtypes, the Python options), so same-shaped layers share one graph instead
+    of recompiling per layer up to dynamo's recompile limit.
+
+    Traced without AOT autograd's common-subexpression elimination: backward re-permutes the saved
+    ``x8`` ``[T, D]`` with the very call forward made, and CSE would merge the two, so the graph would
+    save the permuted rows ``[~k*T, D]`` for backward instead (k times the bytes, padding included, also
+    with ``recompute_experts``). The flag is read while a graph is traced, i.e. on the calls that compile.
+    """
+    compiled = torch.compile(fp8flow_routed_experts, fullgraph=True, backend=backend)
+
+    @functools.wraps(fp8flow_routed_experts)
+    def routed(*args, **kwargs):
+        with torch._functorch.config.patch(cse=False):
+            return compiled(*args, **kwargs)
+
+    return routed
+
+
 class FP8FlowGroupedExperts:
     """Mixin over torchtitan's ``GroupedExperts``: ``forward(x, top_scores, indices)`` = routed path + combine.
 
     Running the path inside the experts module keeps FSDP2's pre-forward hooks (which unshard
     ``w1/w2/w3`` when the experts are sharded on their own) in effect.
+
+    With ``fp8flow_compile_backend`` set, the routed path runs as :func:`compiled_routed_experts`: the
+    compiled region is the call of :func:`fp8flow_routed_experts` inside ``forward``, not the module's
+    ``__call__``, so the module's hooks (FSDP2's unshard) and the DTensor ``to_local`` of the weights
+    stay outside the graph, and this module's attributes are read eagerly on every call and passed in
+    as arguments: nothing set later (``fp8flow_ep_group``) can be frozen into a graph traced before.
+    Under expert parallelism the path runs eagerly: its all-to-all split sizes are host integers.
     """
 
     fp8flow_recompute_experts: bool = False
@@ -294,10 +326,18 @@ class FP8FlowGroupedExperts:
     fp8flow_ep_group: dist.ProcessGroup | None = None
     # The MoE layer's score_before_experts (Llama 4: True), set by convert_moe_layer.
     fp8flow_score_before_experts: bool = False
+    # A torch.compile backend for the routed path (None: eager); set by the torchtitan converter
+    # (fp8flow.compile_experts), since torchtitan's apply_compile skips the experts module.
+    fp8flow_compile_backend: str | None = None
 
     def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
-        return fp8flow_routed_experts(
+        routed = fp8flow_routed_experts
+        # Inside a graph being traced already (a user compiling the layer) the path is traced with it.
+        compile_ = self.fp8flow_compile_backend is not None and self.fp8flow_ep_group is None
+        if compile_ and not torch.compiler.is_compiling():
+            routed = compiled_routed_experts(self.fp8flow_compile_backend)
+        return routed(
             x,
             top_scores,
             selected_experts_indices,

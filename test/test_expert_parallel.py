@@ -15,13 +15,16 @@ clear errors for bad degrees and unsupported parallelisms.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import DEVICE
-from test_moe import ROUTINGS, make_moe, run_step
+from test_moe import ROUTINGS, _inputs, make_moe, run_step
 
 from fp8flow_ao.moe import convert_moe_layer, fp8flow_routed_experts
 from fp8flow_ao.parallel import shard_experts
+from fp8flow_ao.parallel.expert_parallel import plan_dispatch
 
 WORLD = 2
 DIM, HIDDEN, TOKENS_PER_RANK = 256, 128, 48
@@ -287,6 +290,34 @@ def test_one_rank_group_is_the_single_process_path(one_rank_group, recompute):
     )
     for key, expected in ref.items():
         assert torch.equal(got[key].detach().cpu(), expected), key
+
+
+def test_compiled_experts_given_an_ep_group_later_run_it_eagerly(one_rank_group, monkeypatch):
+    """A layer whose routed path is compiled (``fp8flow.compile_experts``) and gets its EP group after a
+    compiled step (torchtitan applies EP after the converter ran) runs the EP path, eagerly: the group is
+    read on every call, never frozen into the graph traced before. EP degree 1 changes no bit."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    import fp8flow_ao.moe as moe_py
+
+    torch._dynamo.reset()
+    ref = make_moe(**ROUTINGS["skewed"])
+    x, grad = _inputs(256, 128)
+    expected = run_step(convert_moe_layer(copy.deepcopy(ref)), x, grad)
+    moe = convert_moe_layer(copy.deepcopy(ref))
+    moe.experts.fp8flow_compile_backend = "aot_eager"
+    steps = [run_step(moe, x, grad)]
+    assert len(_debug_get_cache_entry_list(fp8flow_routed_experts.__code__)) == 1
+    plans = []
+    monkeypatch.setattr(moe_py, "plan_dispatch", lambda *a: plans.append(a) or plan_dispatch(*a))
+    moe.experts.fp8flow_ep_group = one_rank_group  # what shard_experts sets
+    moe.zero_grad()
+    steps.append(run_step(moe, x, grad))
+    assert len(plans) == 1, "the EP dispatch ran"
+    assert len(_debug_get_cache_entry_list(fp8flow_routed_experts.__code__)) == 1, "nothing traced under EP"
+    for got in steps:
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), key
 
 
 def test_fp8_all_gathered_weight_is_exact_and_refuses_other_ops():

@@ -240,6 +240,65 @@ def test_converted_layer_compiles_fullgraph(runs, routing):
         assert sqnr_db(eager[key], compiled[key]) >= 30, key
 
 
+def test_compile_backend_compiles_the_routed_call_once_for_all_layers(runs):
+    """``fp8flow_compile_backend`` (the torchtitan converter's ``compile_experts``) runs the experts' call of
+    the routed path under torch.compile(fullgraph=True): the same bits as eager; the layer's own forward
+    and the experts module's ``__call__`` (its hooks) stay eager; one graph serves same-shaped layers."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    x, grad = runs["balanced"]["inputs"]
+    for _ in range(2):  # two layers
+        moe = convert_moe_layer(copy.deepcopy(runs["balanced"]["model"]))
+        moe.experts.fp8flow_compile_backend = "aot_eager"
+        got = run_step(moe, x, grad)
+        for key in ("out", "x", *PARAMS):
+            assert torch.equal(got[key], runs["balanced"][False][key]), key
+    assert len(_debug_get_cache_entry_list(fp8flow_routed_experts.__code__)) == 1
+    assert not _debug_get_cache_entry_list(FP8FlowMoE.forward.__code__)
+    assert not _debug_get_cache_entry_list(type(moe.experts).forward.__code__)
+    moe.compile(fullgraph=True, backend="aot_eager")  # a user compiling the layer traces the path with it
+    assert torch.equal(run_step(moe, x, grad)["out"], got["out"])
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_compiled_routed_path_saves_x8_not_the_permuted_rows(recompute):
+    """Under inductor's partitioner (min-cut) the compiled path keeps what eager keeps of the tokens:
+    ``x8 [T, D]``, not the permuted rows ``[~k*T, D]`` that CSE of forward's and backward's permute
+    would save; the weights stay parameters (free to save: nothing FP8 of them is held)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from fp8flow_ao.moe import compiled_routed_experts
+
+    saved = []
+
+    def forward_compiler(gm, example_inputs):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        saved.extend(n.meta["val"] for n in output.args[0][1:] if isinstance(n.meta.get("val"), torch.Tensor))
+        return gm
+
+    backend = aot_autograd(
+        fw_compiler=forward_compiler, bw_compiler=lambda gm, _: gm, partition_fn=min_cut_rematerialization_partition
+    )
+    tokens, dim, hidden, experts, top_k = 256, 256, 384, 4, 2
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, dim, generator=g).to(torch.bfloat16).requires_grad_()
+    probs = torch.rand(tokens, top_k, generator=g).requires_grad_()
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    w1, w2, w3 = (
+        torch.nn.Parameter((torch.randn(experts, *s, generator=g) * 0.05).to(torch.bfloat16))
+        for s in ((hidden, dim), (dim, hidden), (hidden, dim))
+    )
+    out = compiled_routed_experts(backend)(x, probs, ids, w1, w2, w3, recompute_experts=recompute)
+    out.backward(torch.ones_like(out))
+    fp8 = [tuple(t.shape) for t in saved if t.dtype == FP8]
+    assert (tokens, dim) in fp8, "x8 itself"
+    assert not any(s[-1] == dim and s[0] > tokens for s in fp8), "no permuted rows of x"
+    assert not any(len(s) == 3 for s in fp8), "no FP8 weight copy"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

@@ -21,7 +21,7 @@ pytest.importorskip("datasets")
 
 import fp8flow_ao.torchtitan as fp8tt  # noqa: E402  (registers the converter and the dataset)
 from fp8flow_ao import data  # noqa: E402
-from fp8flow_ao.moe import is_converted  # noqa: E402
+from fp8flow_ao.moe import FP8FlowMoE, fp8flow_routed_experts, is_converted  # noqa: E402
 from fp8flow_ao.torchtitan import assets, cpu  # noqa: E402
 from fp8flow_ao.torchtitan.converter import FP8FlowConverter, fqn_filter  # noqa: E402
 from fp8flow_ao.torchtitan.job_config import FP8Flow  # noqa: E402
@@ -317,6 +317,96 @@ def test_trainer_with_activation_checkpointing_matches_no_checkpointing(
     checkpointed = cpu.train([*common, *flags, "--job.dump_folder", str(tmp_path / mode)], False)
     assert len(checkpointed) == 2 and all(map(math.isfinite, checkpointed))
     assert checkpointed == plain
+
+
+@pytest.mark.parametrize(
+    ("args", "backend"),
+    [
+        ((), None),  # "auto" without compile.enable
+        (("--compile.enable",), "inductor"),
+        (("--compile.enable", "--compile.backend", "aot_eager"), "aot_eager"),
+        (("--compile.enable", "--compile.components", "loss"), None),  # torchtitan compiles no model part
+        (("--compile.enable", "--fp8flow.compile_experts", "off"), None),
+        (("--fp8flow.compile_experts", "on"), "inductor"),
+    ],
+)
+def test_compile_experts_option_reaches_the_layers(args: tuple[str, ...], backend: str | None) -> None:
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+
+    cfg = parse("--job.custom_config_module", "fp8flow_ao.torchtitan.job_config", *args)
+    with torch.device("meta"):
+        model = DeepSeekV3Model(debug_args())
+    FP8FlowConverter(cfg, None).convert(model)
+    layers = [m for m in model.modules() if isinstance(m, FP8FlowMoE)]
+    assert layers and all(m.experts.fp8flow_compile_backend == backend for m in layers)
+
+
+def test_compile_experts_refuses_bad_values_and_skips_expert_parallel() -> None:
+    from torchtitan.distributed import ParallelDims
+
+    cfg = parse("--job.custom_config_module", "fp8flow_ao.torchtitan.job_config", "--compile.enable")
+    ep2 = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=2, etp=1, world_size=2)
+    assert FP8FlowConverter(cfg, ep2).compile_backend is None, "expert parallelism runs the experts eagerly"
+    cfg.fp8flow.compile_experts = "yes"
+    with pytest.raises(ValueError, match='fp8flow.compile_experts must be "auto", "on" or "off"'):
+        FP8FlowConverter(cfg, None)
+    cfg.fp8flow.compile_experts = "on"
+    with pytest.raises(ValueError, match="expert_parallel_degree > 1"):
+        FP8FlowConverter(cfg, ep2)
+    cfg.fp8flow.recipe = "rowwise"
+    with pytest.raises(ValueError, match='needs fp8flow.recipe = "blockwise"'):
+        FP8FlowConverter(cfg, None)
+    cfg.fp8flow.compile_experts = "auto"
+    assert FP8FlowConverter(cfg, None).compile_backend is None
+
+
+@pytest.fixture
+def torchtitan_compile_globals(monkeypatch: pytest.MonkeyPatch):
+    """Undo what torchtitan's ``apply_compile`` changes for the whole process (its BF16 experts' function
+    compiled, dynamo's ``capture_scalar_outputs``), and start and end with empty dynamo caches."""
+    from torchtitan.models.moe import moe as moe_module
+
+    monkeypatch.setattr(moe_module, "_run_experts_grouped_mm", moe_module._run_experts_grouped_mm)
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", torch._dynamo.config.capture_scalar_outputs)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _debugmodel_args(corpus: Path, dump: Path, *flags: str) -> list[str]:
+    return [
+        "--job.config_file", str(pair("deepseek_v3_debug")[1]), "--training.steps", "2", "--training.seq_len", "64",
+        "--training.local_batch_size", "2", "--training.dataset_path", str(corpus.parent),
+        "--training.mixed_precision_param", "float32", "--model.hf_assets_path", str(assets.TOKENIZER_DIR),
+        "--activation_checkpoint.selective_ac_option", "op", "--job.dump_folder", str(dump), *flags,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def eager_losses(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> list[float]:
+    """The FP8-Flow debugmodel, 2 steps, nothing compiled (AC changes no loss: see the test above)."""
+    return cpu.train(_debugmodel_args(corpus, tmp_path_factory.mktemp("eager")), False)
+
+
+@pytest.mark.parametrize(
+    ("mode", "recompute"),
+    [("none", False), ("selective", False), ("full", True)],
+    ids=["no-ac", "selective-op", "full-recompute"],
+)
+def test_trainer_with_compiled_experts_matches_eager(
+    tmp_path: Path, corpus: Path, eager_losses: list[float], torchtitan_compile_globals, mode: str, recompute: bool
+) -> None:
+    """torchtitan compiles the model (``compile.enable``) and, by default, the converter the FP8-Flow routed
+    experts, inside torchtitan's AC wrappers: the same losses as eager. ``aot_eager`` runs dynamo, AOT
+    autograd and the compiled backward without inductor's CPU code generation (slow here; it rounds
+    torchtitan's own compiled norms and attention differently, not the experts, whose ops are custom ops)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    flags = ["--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode", mode]
+    flags += ["--fp8flow.recompute_experts"] if recompute else []
+    compiled = cpu.train(_debugmodel_args(corpus, tmp_path, *flags), False)
+    assert _debug_get_cache_entry_list(fp8flow_routed_experts.__code__), "the routed experts were compiled"
+    assert compiled == eager_losses
 
 
 def _torchrun_cpu_losses(config: Path, dump: Path, corpus: Path, *flags: str) -> list[float]:

@@ -26,8 +26,9 @@ its splits). Backward reuses the forward's plan and syncs nothing. Everything el
 maps, the receiver's local expert ids, padding) is computed on the device.
 
 The expert-parallel path runs eagerly: the split sizes are host integers, so it does not trace
-into one ``torch.compile(fullgraph=True)`` graph (torchtitan leaves the routed experts uncompiled
-anyway; the one-GPU path compiles fullgraph as before).
+into one ``torch.compile(fullgraph=True)`` graph (a layer set to compile its routed path, as the
+torchtitan converter's ``fp8flow.compile_experts`` does, runs it eagerly once it has an EP group; the
+one-GPU path compiles fullgraph).
 
 This module is torchtitan-free; :mod:`fp8flow_ao.torchtitan.expert_parallel` plugs it into
 torchtitan's ``expert_parallel_degree``.

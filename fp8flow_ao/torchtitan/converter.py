@@ -8,6 +8,11 @@ With ``parallelism.expert_parallel_degree > 1`` the converted layers dispatch FP
 torchtitan's EP mesh (:mod:`fp8flow_ao.torchtitan.expert_parallel` replaces its BF16 ``ExpertParallel``
 for them); settings FP8-Flow layers do not support (tensor parallelism, DeepEP, an EP degree that
 does not divide the expert count) raise a ``ValueError`` naming the setting before any step runs.
+
+torchtitan's ``apply_compile`` skips each MoE layer's ``experts`` module, so the converter compiles the
+FP8-Flow routed path itself (``fp8flow.compile_experts``, by default whenever torchtitan compiles the
+model): :attr:`~fp8flow_ao.moe.FP8FlowGroupedExperts.fp8flow_compile_backend` is set on every converted
+layer, and its ``forward`` calls the routed path through ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -47,6 +52,34 @@ def _check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims) -> No
         )
 
 
+def _experts_compile_backend(job_config: JobConfig, options: FP8Flow, ep_degree: int) -> str | None:
+    """The ``torch.compile`` backend for the FP8-Flow routed experts, or None to run them eagerly.
+
+    ``fp8flow.compile_experts``: "auto" follows torchtitan's own switch (``compile.enable`` and "model" in
+    ``compile.components``), "on" compiles always, "off" never. Expert parallelism runs eagerly (its
+    split sizes are host integers); "on" there, or with the rowwise recipe, is a ``ValueError``.
+    """
+    mode = options.compile_experts
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f'fp8flow.compile_experts must be "auto", "on" or "off", got {mode!r}')
+    if mode == "on" and options.recipe != "blockwise":
+        raise ValueError(
+            'fp8flow.compile_experts = "on" needs fp8flow.recipe = "blockwise" (the rowwise recipe runs '
+            "torchtitan's own expert path, which torchtitan compiles itself)"
+        )
+    if mode == "on" and ep_degree > 1:
+        raise ValueError(
+            'fp8flow.compile_experts = "on" is not supported with parallelism.expert_parallel_degree > 1: '
+            "the expert-parallel FP8 dispatch sizes its all-to-alls with host integers, which a fullgraph "
+            'compile cannot hold; use "auto" (eager there) or "off"'
+        )
+    compile_ = job_config.compile
+    enabled = mode == "on" or (mode == "auto" and compile_.enable and "model" in compile_.components)
+    if not enabled or ep_degree > 1 or options.recipe != "blockwise":
+        return None
+    return compile_.backend
+
+
 def _check_expert_counts(model: nn.Module, ep_degree: int) -> None:
     """Every converted layer's expert count must split evenly over the EP ranks (ValueError naming the setting)."""
     from fp8flow_ao.moe import FP8FlowMoE
@@ -80,6 +113,7 @@ class FP8FlowConverter(ModelConverter):
         self.options = options
         # parallel_dims is None when the converter is built outside torchtitan's Trainer (one process).
         self.ep_degree = parallel_dims.ep if parallel_dims is not None else 1
+        self.compile_backend = _experts_compile_backend(job_config, options, self.ep_degree)
         if options.recipe == "blockwise":
             if parallel_dims is not None:
                 _check_parallelism(job_config, parallel_dims)
@@ -100,13 +134,18 @@ class FP8FlowConverter(ModelConverter):
     def convert(self, model: nn.Module) -> None:
         from torchao.quantization import quantize_
 
+        from fp8flow_ao.moe import FP8FlowMoE
+
         quantize_(model, self.config())
         if self.options.recipe == "blockwise":
             _check_expert_counts(model, self.ep_degree)
+        for module in model.modules():
+            if isinstance(module, FP8FlowMoE):
+                module.experts.fp8flow_compile_backend = self.compile_backend
         logger.info(
             f"fp8flow: converted the MoE layers to FP8-Flow (recipe={self.options.recipe}, "
             f"recompute_experts={self.options.recompute_experts}, weight_cache={self.options.weight_cache}, "
-            f"skipped fqns={self.options.filter_fqns})"
+            f"compiled experts={self.compile_backend or 'no'}, skipped fqns={self.options.filter_fqns})"
         )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:

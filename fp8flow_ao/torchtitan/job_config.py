@@ -9,6 +9,7 @@ torchtitan 0.2.2 merges a custom ``JobConfig`` dataclass into its own when given
     recipe = "blockwise"
     filter_fqns = ["layers.1."]
     weight_cache = "off"
+    compile_experts = "auto"
 """
 
 # No ``from __future__ import annotations`` here: torchtitan merges these dataclasses into a class of
@@ -37,6 +38,17 @@ class FP8Flow:
     fsdp_fp8_all_gather: bool = False
     """Under FSDP2 all-gather the expert weights as 128x128 FP8 tiles + scales (half the bytes; each rank
     quantizes its own shard once per step) instead of BF16. Bit-identical results. See FP8FlowConfig."""
+
+    compile_experts: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the FP8-Flow routed experts (``fp8flow_routed_experts``: quantize, permute, FC1, SwiGLU,
+    FC2, combine, and its backward) as one ``fullgraph=True`` graph with ``compile.backend``. torchtitan
+    0.2.2's ``apply_compile`` compiles every other child of a MoE layer but skips ``experts``, so without
+    this the routed path runs eagerly. "auto": when torchtitan compiles the model (``compile.enable`` and
+    "model" in ``compile.components``); "on": always; "off": never. Expert parallelism
+    (``parallelism.expert_parallel_degree > 1``) runs the path eagerly whatever this says ("on" is refused
+    there): its all-to-all split sizes are host integers, which no full graph holds. ``recipe = "blockwise"``
+    only ("on" is refused with "rowwise", which runs torchtitan's own expert path, compiled by torchtitan).
+    Compiled, ``weight_cache = "step"`` acts as "forward" (its cache is Python state; see weight_cache.py)."""
 
 
 @dataclass
