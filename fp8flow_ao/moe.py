@@ -82,10 +82,29 @@ def _fc1_swiglu(
     return h, a_data, a_scale
 
 
+def _autocast_off(fn):
+    """Run ``fn(ctx, first, *args)`` with autocast disabled on ``first``'s device.
+
+    The FP8-Flow path fixes its own precisions (FP8 operands, fp32 accumulation, BF16 outputs).
+    Ambient autocast (torchtitan's one-GPU mixed precision) would otherwise re-type the torch ops
+    inside it, such as the CPU references' matmuls, and differently in forward (under autocast) than
+    in a backward recompute (autograd runs backward outside it): recompute would stop being
+    bit-identical to the stored path.
+    """
+
+    @functools.wraps(fn)
+    def wrapped(ctx, first, *args):
+        with torch.autocast(first.device.type, enabled=False):
+            return fn(ctx, first, *args)
+
+    return wrapped
+
+
 class _FP8FlowRoutedExperts(torch.autograd.Function):
     """Routed experts of one MoE layer, top-k combine included: ``[T, D]`` tokens -> ``[T, D]`` output."""
 
     @staticmethod
+    @_autocast_off
     def forward(ctx, x, probs, expert_indices, w1, w2, w3, recompute, weight_cache, ep_group, score_before):
         num_experts, top_k = w1.shape[0], expert_indices.shape[1]  # local experts under EP
         # Cast 1 of 2: x [T, D] -> 1x128 FP8 row-wise, before dispatch; everything after stays FP8.
@@ -126,6 +145,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
+    @_autocast_off
     def backward(ctx, grad_out):
         rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, *saved = ctx.saved_tensors
         kept, fc1_saved = split_kept(saved)

@@ -198,6 +198,55 @@ def test_backward_keeps_fp8_not_bf16_activations(recompute):
         assert any(t.dtype == FP8 and t.dim() == 2 and t.shape[1] == hidden for t in saved)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["x_bf16", "x_fp32"])
+def test_recompute_matches_stored_with_fp32_weights_under_autocast(x_dtype):
+    """torchtitan's one-GPU setting: fp32 parameters, forward under bf16 autocast, eager experts.
+
+    On an H200 torchtitan's fp8flow_gpu flavor trained with ``recompute_experts`` and eager experts
+    (``compile_experts = "off"``) got NaN gradients at its first step, while the stored path and the
+    compiled recompute trained normally (benchmarks/results/torchtitan_e2e.md). This reproduces that
+    setting at the layer, at the flavor's expert shapes on a GPU: the gradients must be finite and
+    recompute must stay bit-identical to the stored path. On the CPU it caught ambient autocast
+    running the references' matmuls in bf16 in forward but not in the recompute (probs' gradient
+    differed), fixed by running the path with autocast off. Fresh allocations are NaN-filled here
+    (torch's deterministic mode), so reading memory no kernel wrote shows up as a NaN every time.
+    """
+    gpu = DEVICE == "cuda"
+    tokens, dim, hidden, experts, top_k = (4096, 2048, 768, 32, 8) if gpu else (256, 256, 128, 4, 2)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(tokens, dim, device=DEVICE, generator=gen).to(x_dtype)
+    logits = torch.randn(tokens, experts, device=DEVICE, generator=gen)
+    probs, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+    w1, w3 = (torch.randn(experts, hidden, dim, device=DEVICE, generator=gen) * 0.02 for _ in range(2))
+    w2 = torch.randn(experts, dim, hidden, device=DEVICE, generator=gen) * 0.02
+    grad = torch.randn(tokens, dim, device=DEVICE, generator=gen).to(x_dtype)
+
+    def step(recompute: bool) -> list[torch.Tensor]:
+        leaves = [t.detach().clone().requires_grad_() for t in (x, probs, w1, w2, w3)]
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = fp8flow_routed_experts(leaves[0], leaves[1], ids, *leaves[2:], recompute_experts=recompute)
+        out.backward(grad)
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    # NaN in every fresh allocation, so a kernel that reads memory nothing wrote fails here every time
+    # instead of now and then (the GPU NaN came in 3 of 5 recompute runs, in both eager and compiled).
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    deterministic, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        stored, recomputed = step(False), step(True)
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    for name, a, b in zip(("out", "x", "probs", "w1", "w2", "w3"), stored, recomputed, strict=True):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), name
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 def test_routed_path_compiles_fullgraph_bit_exact(recompute, score_before):
