@@ -1,7 +1,7 @@
 """End to end in torchtitan 0.2.2: tokens/s and peak memory of BF16, FP8 row-wise and FP8-Flow under torchtitan's features.
 
-Trains ``torchtitan_configs/deepseek_v3_debug_bf16.toml`` with torchtitan's own ``Trainer`` in this
-process on one GPU, for ``--steps`` steps on the offline corpus, once per selected combination of
+Trains ``torchtitan_configs/deepseek_v3_debug_bf16.toml`` with torchtitan's own ``Trainer``, each run in
+a process of its own (memory, peak and compile caches start clean), on one GPU, for ``--steps`` steps on the offline corpus, once per selected combination of
 
 * ``--compile on off``: ``compile.enable`` (torchtitan compiles each block's submodules; in 0.2.2
   ``apply_compile`` skips the MoE's ``experts`` child and compiles only BF16's expert function
@@ -23,8 +23,9 @@ Each run's median step time after ``--warmup`` steps gives tokens/s (local batch
 step time); peak = ``max_memory_allocated`` of the run. Runs are written one file each under
 ``--runs-dir`` as they finish, so a selection that fits one 10-minute GPU command can be run per
 invocation; ``--report`` merges every run found into ``torchtitan_e2e.{json,md}`` (one row per flavor,
-compile, experts, AC and recompute setting; the same-settings BF16 run is the baseline). Wall time: about
-40 s per run without compile and 60-90 s with it for ``fp8flow_gpu`` (startup, compile, 30 steps).
+compile, experts, AC and recompute setting; the same-settings BF16 run is the baseline). A run whose
+loss becomes NaN or inf is written and reported as failed (exit status 1 after the other runs). Wall
+time on an H200: about 20-40 s per ``fp8flow_gpu`` run of 25 steps (startup, compile, steps).
 
 ``--device cpu`` runs the same path on torchtitan's ``debugmodel`` through the CPU runner with tiny
 batches (a smoke test; its timings mean nothing). Exits 0 with a message when ``--device cuda`` has
@@ -36,6 +37,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -103,8 +107,33 @@ def selected_runs(args: argparse.Namespace) -> list[tuple[str, bool, str, str, b
     return out
 
 
+def child_argv(args: argparse.Namespace, run: tuple[str, bool, str, str, bool, str | None]) -> list[str]:
+    """This script's arguments that select exactly ``run`` and train it in the process they start."""
+    flavor, compile_, ac, recipe, recompute, experts = run
+    argv = ["--in-process", "--no-report", "--flavors", flavor, "--compile", "on" if compile_ else "off"]
+    argv += ["--ac", ac, "--selective-ac-option", args.selective_ac_option, "--recipes", recipe]
+    argv += ["--recompute", "on" if recompute else "off", "--compile-experts", "off" if experts == "eager" else "auto"]
+    return argv + ["--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+                   "--runs-dir", str(args.runs_dir)]  # fmt: skip
+
+
 def measure(args: argparse.Namespace) -> list[Path]:
-    """Train every selected run; write each as ``<runs_dir>/<run_name>.json`` as soon as it finishes."""
+    """Train every selected run; write each as ``<runs_dir>/<run_name>.json`` as soon as it finishes.
+
+    Each run trains in a process of its own (this script with ``--in-process``): in one process the
+    previous runs' trainers stay allocated (their memory entered the next run's peak) and dynamo's
+    caches and recompile counters carry over. A run that fails is reported and the others go on; the
+    call raises at the end.
+    """
+    if not args.in_process:
+        failed = []
+        for run in selected_runs(args):
+            done = subprocess.run([sys.executable, __file__, *child_argv(args, run)], check=False)
+            if done.returncode:
+                failed.append(f"{run_name(*run)} (exit {done.returncode})")
+        if failed:
+            raise RuntimeError(f"bench_torchtitan_e2e: runs failed: {', '.join(failed)}")
+        return sorted(args.runs_dir.glob("*.json"))
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for run in selected_runs(args):
@@ -121,11 +150,14 @@ def measure(args: argparse.Namespace) -> list[Path]:
             "step_us": 1e6 * record.tokens_per_step / tokens_per_s(record, args.warmup),
             "tokens_per_s": round(tokens_per_s(record, args.warmup)), "peak_mem_gib": record.peak_mem_gib,
             "first_loss": record.losses[0], "last_loss": record.losses[-1],
+            "losses": record.losses, "grad_norms": record.grad_norms,
             "device": device_name(), "versions": versions(),
         }  # fmt: skip
         path = args.runs_dir / f"{name}.json"
         path.write_text(json.dumps(result) + "\n")
         written.append(path)
+        if not math.isfinite(result["last_loss"]):
+            raise RuntimeError(f"{name}: the loss became {result['last_loss']} (written to {path}; the run failed)")
     return written
 
 
@@ -217,6 +249,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs-dir", type=Path, default=RESULTS_DIR / "torchtitan_e2e_runs")
     p.add_argument("--report", action="store_true", help="only merge the runs in --runs-dir (no training)")
     p.add_argument("--no-report", action="store_true", help="only train (merge later with --report)")
+    p.add_argument(
+        "--in-process", action="store_true", help="train the selected runs in this process (tests, children)"
+    )
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
