@@ -194,25 +194,36 @@ def load_runs(runs_dir: Path) -> dict[str, dict[str, Any]]:
     return runs
 
 
+def paired_baseline(name: str, run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str | None:
+    """The BF16 run ``name`` is compared with: for an FP8 run the BF16 run of its seed (``bf16`` when no
+    BF16 run has that seed); for a BF16 run other than ``bf16``, ``bf16`` itself (its gap is the noise
+    floor: what a different seed alone moves the loss); None for ``bf16``."""
+    if run["recipe"] == BASELINE:
+        return None if name == BASELINE else BASELINE
+    same_seed = sorted(n for n, r in runs.items() if r["recipe"] == BASELINE and r["seed"] == run["seed"])
+    return BASELINE if not same_seed or BASELINE in same_seed else same_seed[0]
+
+
 def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per-run figures and per-run gaps to BF16, with the goal check for FP8 recipes."""
-    base = runs[BASELINE]
+    """Per-run figures and gaps to each run's paired BF16 run, with the goal check for FP8 recipes."""
     out = {}
     for name, r in runs.items():
         last_val = max(r["validation"], key=int) if r["validation"] else None
+        base_name = paired_baseline(name, r, runs)
         row = {
             "recipe": r["recipe"],
             "seed": r["seed"],
+            "baseline": base_name,
             "steps": len(r["losses"]),
             "final_loss_smoothed": round(ema(r["losses"])[-1], 4),
             "final_heldout_loss": round(r["validation"][last_val], 4) if last_val else None,
             "tokens_per_s": r["tokens_per_s"],
-            "speedup_vs_bf16": round(r["tokens_per_s"] / base["tokens_per_s"], 3),
+            "speedup_vs_bf16": round(r["tokens_per_s"] / runs[base_name or BASELINE]["tokens_per_s"], 3),
             "peak_mem_gib": None if r["peak_mem_gib"] is None else round(r["peak_mem_gib"], 2),
             "epochs": r["corpus"]["epochs"],
         }
-        if name != BASELINE:
-            g = gaps(r, base)
+        if base_name is not None:
+            g = gaps(r, runs[base_name])
             row.update({k: v for k, v in g.items() if k != "heldout_gap_by_step"})
             row["heldout_gap_by_step"] = {s: round(v, 5) for s, v in g["heldout_gap_by_step"].items()}
             if r["recipe"] != BASELINE:
@@ -224,6 +235,28 @@ def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def gaps_by_recipe(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per recipe, the gaps of its runs to their paired BF16 runs over seeds: mean, min, max, count.
+
+    For ``bf16`` these are the other seeds' BF16 runs against seed 0's: the noise floor an FP8 gap is
+    read against. A recipe measured on one seed has a mean of one gap (count 1).
+    """
+    out = {}
+    for recipe in dict.fromkeys(r["recipe"] for r in summary.values()):
+        rows = [r for r in summary.values() if r["recipe"] == recipe and r["baseline"] is not None]
+        if not rows:
+            continue
+        out[recipe] = {"runs": len(rows), "seeds": sorted({r["seed"] for r in rows})}
+        for key in ("train_gap_last_half", "heldout_gap_final"):
+            values = [r[key] for r in rows if r[key] is not None]
+            out[recipe][key] = {
+                "mean": statistics.fmean(values) if values else None,
+                "min": min(values, default=None),
+                "max": max(values, default=None),
+            }
+    return out
+
+
 def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     """Loss curves (raw faint, smoothed bold), smoothed relative gap to BF16, held-out losses."""
     import matplotlib
@@ -232,22 +265,25 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_gap, ax_val) = plt.subplots(3, 1, figsize=(9, 10), sharex=True, height_ratios=(3, 1.5, 1.5))
-    base = ema(runs[BASELINE]["losses"])
     for i, (name, r) in enumerate(runs.items()):
         color = f"C{i}"
         steps = range(1, len(r["losses"]) + 1)
         smooth = ema(r["losses"])
         ax_loss.plot(steps, r["losses"], color=color, alpha=0.2, linewidth=0.5)
         ax_loss.plot(steps, smooth, color=color, label=f"{name} ({RECIPE_NAMES[r['recipe']]})")
-        if name != BASELINE:
-            ax_gap.plot(steps, [100 * (s / b - 1) for s, b in zip(smooth, base, strict=False)], color=color, label=name)
+        base_name = paired_baseline(name, r, runs)
+        if base_name is not None:
+            base = ema(runs[base_name]["losses"])
+            gap = [100 * (s / b - 1) for s, b in zip(smooth, base, strict=False)]
+            ax_gap.plot(steps, gap, color=color, label=f"{name} vs {base_name}")
         val = sorted((int(s), v) for s, v in r["validation"].items())
         ax_val.plot([s for s, _ in val], [v for _, v in val], "o-", color=color, label=name)
     ax_loss.set_ylabel("training loss")
-    ax_loss.set_title(f"torchtitan convergence ({runs[BASELINE]['device']}, seed {runs[BASELINE]['seed']})")
+    seeds = sorted({r["seed"] for r in runs.values()})
+    ax_loss.set_title(f"torchtitan convergence ({runs[BASELINE]['device']}, seeds {seeds})")
     ax_loss.legend()
     ax_gap.axhspan(-100 * GOAL_GAP, 100 * GOAL_GAP, color="tab:green", alpha=0.1, label="goal +-0.25%")
-    ax_gap.set_ylabel("smoothed gap to bf16 (%)")
+    ax_gap.set_ylabel("smoothed gap to the\nsame-seed bf16 (%)")
     ax_gap.legend(fontsize="small")
     ax_val.set_ylabel("held-out loss")
     ax_val.set_xlabel("step")
@@ -384,18 +420,32 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         doc["notes"],
         "",
-        "| run | recipe | final loss (EMA) | held-out | train gap, last half | mean abs step gap | held-out gap | "
-        "tok/s | vs bf16 | peak GiB | epochs | goal |",
-        "|" + "---|" * 12,
+        "| run | recipe | seed | vs | final loss (EMA) | held-out | train gap, last half | mean abs step gap | "
+        "held-out gap | tok/s | tok/s vs bf16 | peak GiB | epochs | goal |",
+        "|" + "---|" * 14,
     ]
     for name, r in doc["runs"].items():
         goal = {True: "met", False: "missed"}.get(r.get("meets_goal"), "")
         lines.append(
-            f"| {name} | {RECIPE_NAMES[r['recipe']]} | {r['final_loss_smoothed']} | {r['final_heldout_loss']} | "
+            f"| {name} | {RECIPE_NAMES[r['recipe']]} | {r['seed']} | {r['baseline'] or ''} | "
+            f"{r['final_loss_smoothed']} | {r['final_heldout_loss']} | "
             f"{_pct(r.get('train_gap_last_half'))} | {_pct(r.get('mean_abs_step_gap_last_half'))} | "
             f"{_pct(r.get('heldout_gap_final'))} | {r['tokens_per_s']:,} | {r['speedup_vs_bf16']} | "
             f"{r['peak_mem_gib']} | {r['epochs']} | {goal} |"
         )
+    lines += [
+        "",
+        "Gaps by recipe over seeds (mean [min, max]); the bf16 row is the noise floor (other seeds vs seed 0):",
+        "",
+        "| recipe | runs | seeds | train gap, last half | held-out gap |",
+        "|---|---|---|---|---|",
+    ]
+    for recipe, g in doc["gaps_by_recipe"].items():
+        cells = [
+            f"{_pct(v['mean'])} [{_pct(v['min'])}, {_pct(v['max'])}]"
+            for v in (g["train_gap_last_half"], g["heldout_gap_final"])
+        ]
+        lines.append(f"| {RECIPE_NAMES[recipe]} | {g['runs']} | {g['seeds']} | {cells[0]} | {cells[1]} |")
     lines += ["", "![loss curves](convergence.png)"]
     if any(s["sqnr"] or s["expert_grad_norm_last_half"] for s in doc["probes"].values()):
         lines += probe_markdown(doc) + ["", f"![per-layer numerics]({PROBE_PNG})"]
@@ -411,10 +461,12 @@ def report(runs_dir: Path, results_dir: Path) -> dict[str, Any]:
         f"torchtitan Trainer, fp8flow_gpu flavor unless the flags say otherwise, {len(base['losses'])} steps of "
         f"{base['tokens_per_step']:,} tokens; source corpus {corpus['train_tokens'] / 1e6:.1f} M training tokens "
         f"({corpus['epochs']} epochs), held-out {corpus['heldout_tokens'] / 1e6:.2f} M tokens (no shared file), "
-        f"fingerprint {corpus['fingerprint']}. Gaps are relative to bf16, signed (+: higher loss): the training gap "
-        f"compares last-half mean losses, the held-out gap the last evaluation. A bf16 run other than `bf16` is the "
-        f"noise floor. Goal: |gap| <= {100 * GOAL_GAP}% for both. tok/s: median step after {WARMUP_STEPS} steps."
+        f"fingerprint {corpus['fingerprint']}. Gaps are relative to the BF16 run of the same seed (column vs), signed "
+        f"(+: higher loss): the training gap compares last-half mean losses, the held-out gap the last evaluation. "
+        f"A BF16 run of another seed is compared with `bf16` (seed 0): the noise floor, what a different seed alone "
+        f"moves the loss. Goal: |gap| <= {100 * GOAL_GAP}% for both. tok/s: median step after {WARMUP_STEPS} steps."
     )
+    summary = summarize(runs)
     doc = {
         "benchmark": "convergence",
         "device": base["device"],
@@ -423,7 +475,8 @@ def report(runs_dir: Path, results_dir: Path) -> dict[str, Any]:
         "date": max(r["date"] for r in runs.values()),
         "notes": notes,
         "corpus": corpus,
-        "runs": summarize(runs),
+        "runs": summary,
+        "gaps_by_recipe": gaps_by_recipe(summary),
         "curves": {
             name: {
                 "loss": r["losses"],

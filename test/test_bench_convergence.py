@@ -136,3 +136,29 @@ def test_ema_and_gaps() -> None:
     assert g["heldout_gap_final"] == pytest.approx(0.005)
     with pytest.raises(SystemExit):
         bc.parse_args(["--recipe", "bf16", "--report"])
+
+
+def test_runs_pair_with_their_seeds_bf16_run_and_bf16_seeds_form_the_noise_floor() -> None:
+    def run(name: str, recipe: str, seed: int, last: float, val: float) -> dict:
+        return {
+            "name": name, "recipe": recipe, "seed": seed, "losses": [4.0, 2.0, 2.0, last],
+            "validation": {"1": 4.0, "4": val}, "tokens_per_s": 100, "peak_mem_gib": None, "corpus": {"epochs": 1.0},
+        }  # fmt: skip
+
+    runs = {
+        "bf16": run("bf16", "bf16", 0, 2.0, 2.0),
+        "bf16_seed1": run("bf16_seed1", "bf16", 1, 2.2, 2.1),
+        "fp8flow": run("fp8flow", "fp8flow", 0, 2.02, 2.02),
+        "fp8flow_seed1": run("fp8flow_seed1", "fp8flow", 1, 2.2, 2.1),
+        "fp8flow_seed2": run("fp8flow_seed2", "fp8flow", 2, 2.06, 2.0),
+    }
+    summary = bc.summarize(runs)
+    # an FP8 run against its own seed's BF16 run; without one, against bf16; BF16 seeds against bf16
+    assert [summary[n]["baseline"] for n in runs] == [None, "bf16", "bf16", "bf16_seed1", "bf16"]
+    assert summary["fp8flow_seed1"]["train_gap_last_half"] == pytest.approx(0.0)
+    assert summary["fp8flow"]["train_gap_last_half"] == pytest.approx(0.01 / 2)
+    by = bc.gaps_by_recipe(summary)
+    assert set(by) == {"bf16", "fp8flow"} and by["fp8flow"]["runs"] == 3 and by["fp8flow"]["seeds"] == [0, 1, 2]
+    assert by["fp8flow"]["train_gap_last_half"]["mean"] == pytest.approx((0.005 + 0.0 + 0.015) / 3)
+    assert by["fp8flow"]["heldout_gap_final"]["max"] == pytest.approx(0.01)
+    assert by["bf16"]["train_gap_last_half"]["min"] == pytest.approx(0.05)
