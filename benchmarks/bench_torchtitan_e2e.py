@@ -1,7 +1,8 @@
 """End to end in torchtitan 0.2.2: tokens/s and peak memory of BF16, FP8 row-wise and FP8-Flow under torchtitan's features.
 
 Trains ``torchtitan_configs/deepseek_v3_debug_bf16.toml`` with torchtitan's own ``Trainer``, each run in
-a process of its own (memory, peak and compile caches start clean), on one GPU, for ``--steps`` steps on the offline corpus, once per selected combination of
+a process of its own (memory, peak and compile caches start clean), on one GPU, for ``--steps`` steps
+on the offline corpus, once per selected combination of
 
 * ``--compile on off``: ``compile.enable`` (torchtitan compiles each block's submodules; in 0.2.2
   ``apply_compile`` skips the MoE's ``experts`` child and compiles only BF16's expert function
