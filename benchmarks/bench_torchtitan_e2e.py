@@ -173,6 +173,11 @@ def _experts(run: dict[str, Any]) -> str | None:
     return experts_mode(run["recipe"], run["compile"], "off")
 
 
+def _losses(run: dict[str, Any] | None) -> str | None:
+    """First and last loss of a run, with its step count (runs of a table may differ in length)."""
+    return None if run is None else f"{run['first_loss']:.3f}->{run['last_loss']:.3f} ({run['steps']} steps)"
+
+
 def report_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One PERF.md row per (flavor, compile, ac, recompute, experts mode) that has an FP8-Flow run: FP8-Flow
     vs same-settings BF16."""
@@ -198,8 +203,8 @@ def report_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 bf16_peak_gib=_gib(bf16),
                 rowwise_peak_gib=_gib(rowwise),
                 fp8flow_peak_gib=_gib(ours),
-                bf16_loss=None if bf16 is None else f"{bf16['first_loss']:.3f}->{bf16['last_loss']:.3f}",
-                fp8flow_loss=f"{ours['first_loss']:.3f}->{ours['last_loss']:.3f}",
+                bf16_loss=_losses(bf16),
+                fp8flow_loss=_losses(ours),
             )
         )
     return rows

@@ -208,8 +208,11 @@ def test_recompute_matches_stored_with_fp32_weights_under_autocast(x_dtype):
     setting at the layer, at the flavor's expert shapes on a GPU: the gradients must be finite and
     recompute must stay bit-identical to the stored path. On the CPU it caught ambient autocast
     running the references' matmuls in bf16 in forward but not in the recompute (probs' gradient
-    differed), fixed by running the path with autocast off. Fresh allocations are NaN-filled here
-    (torch's deterministic mode), so reading memory no kernel wrote shows up as a NaN every time.
+    differed), fixed by running the path with autocast off. On the H200 it caught the cause of the
+    NaN: recompute quantizes fp32 W13 in both orientations at once, and triton 3.6 miscompiled that
+    kernel's transpose (wrong columns of dx), fixed by two passes for fp32 (quantize_128x128.py).
+    Fresh allocations are NaN-filled here (torch's deterministic mode), so reading memory no kernel
+    wrote shows up as a NaN every time.
     """
     gpu = DEVICE == "cuda"
     tokens, dim, hidden, experts, top_k = (4096, 2048, 768, 32, 8) if gpu else (256, 256, 128, 4, 2)

@@ -86,6 +86,22 @@ def test_deepseek_weight_shape_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("config", quantize_128x128_configs(), ids=lambda c: f"warps{c.num_warps}-maxnreg{c.maxnreg}")
+def test_both_orientations_of_weights_like_a_models_on_gpu(dtype, config):
+    """Both orientations at once from weights like a model's (``randn * 0.02``: one scale for all
+    tiles), fp32 as torchtitan keeps them on one GPU, at the fp8flow_gpu flavor's W13 shape. Triton 3.6
+    wrote a wrong transpose here for fp32 in every config (recompute's NaN gradients, H200)."""
+    w1, w3 = (torch.randn(4, 768, 2048, device=DEVICE, dtype=dtype) * 0.02 for _ in range(2))
+    expected = quantize_128x128_reference(torch.cat([w1, w3], dim=1))
+    _assert_outputs_equal(launch_quantize_128x128(w1, w_tail=w3, config=config), expected)
+    _assert_outputs_equal(
+        launch_quantize_128x128(w1.transpose(-1, -2).contiguous(), config=config),
+        quantize_128x128_reference(w1.transpose(-1, -2).contiguous()),
+    )
+
+
+@pytest.mark.gpu
 def test_deepseek_w13_in_one_pass_on_gpu():
     """W13 = [w1; w3] at the DeepSeek-like shape (H=2048, D=7168): one pass equals the concatenation's."""
     w1, w3 = _weights((2, 2048, 7168), torch.bfloat16), _weights((2, 2048, 7168), torch.bfloat16).flip(-2)

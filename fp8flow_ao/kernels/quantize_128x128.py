@@ -86,16 +86,17 @@ def _quantize_128x128_kernel(
     x = w.to(tl.float32)
     amax = tl.max(tl.max(nan_free_abs(x), axis=1), axis=0)
     scale_inv, scale = pow2_scale_inv_and_scale(amax)
+    q = (x * scale).to(tl.float8e4nv)
     if WITH_DATA:
-        q = (x * scale).to(tl.float8e4nv)
         tl.store(data_ptr + base + rows[:, None] * K + cols[None, :], q)
         tl.store(scale_inv_ptr + (e * tiles_n + pid_n) * tiles_k + pid_k, scale_inv)
     if WITH_TRANSPOSE:
-        # data_t[e, k, n] = data[e, n, k]: the cast is elementwise, so casting the transposed input
-        # tile gives the same bytes. The input is transposed, not q: triton 3.6 on sm_90 mis-lays a
-        # tl.trans of an fp8 tile cast from fp32 (rows come out broadcast; seen on an H200).
-        qt = (tl.trans(w).to(tl.float32) * scale).to(tl.float8e4nv)
-        tl.store(data_t_ptr + base + cols[:, None] * N + rows[None, :], qt)
+        # data_t[e, k, n] = data[e, n, k]: the same q tile stored through transposed addresses; the
+        # compiler's coalescing turns that into one layout change through shared memory. No
+        # tl.trans: triton 3.6 on sm_90 mis-lays a transposed tile feeding an fp8 cast (rows came
+        # out broadcast for bf16 input, and for fp32 input whole columns of the transpose were
+        # wrong: NaN gradients with torchtitan's fp32 weights; seen on an H200).
+        tl.store(data_t_ptr + base + cols[None, :] * N + rows[:, None], q)
         tl.store(scale_inv_t_ptr + (e * tiles_k + pid_k) * tiles_n + pid_n, scale_inv)
 
 
@@ -158,13 +159,25 @@ def launch_quantize_128x128(
         n_head,
         k,
     )
-    flags = {"WITH_DATA": with_data, "WITH_TRANSPOSE": with_transpose, "TILE": BLOCK}
-    if config is None and w.is_cuda:
-        _tuned_kernel[(num_tiles,)](*args, **flags)
-    else:
-        c = config or quantize_128x128_configs()[0]
-        _quantize_128x128_kernel[(num_tiles,)](*args, **flags, num_warps=c.num_warps, maxnreg=c.maxnreg)
+    for flags in _passes(w.dtype, with_data, with_transpose):
+        if config is None and w.is_cuda:
+            _tuned_kernel[(num_tiles,)](*args, **flags, TILE=BLOCK)
+        else:
+            c = config or quantize_128x128_configs()[0]
+            _quantize_128x128_kernel[(num_tiles,)](*args, **flags, TILE=BLOCK, num_warps=c.num_warps, maxnreg=c.maxnreg)
     return data, scale_inv, data_t, scale_inv_t
+
+
+def _passes(dtype: torch.dtype, with_data: bool, with_transpose: bool) -> list[dict[str, bool]]:
+    """The kernel launches that write the asked-for orientations: one pass, except fp32 weights asking
+    for both. Triton 3.6 on sm_90 miscompiles that case: the transposed copy came out wrong in every
+    launch config while each orientation alone is right (fp32 parameters under torchtitan's one-GPU
+    mixed precision, NaN gradients with ``recompute_experts``; seen on an H200). Two passes read the
+    fp32 tile twice (measured 1.7-1.8x the one-pass time at the fp8flow_gpu and DeepSeek-V3 shapes)
+    but are exact; bf16/fp16 weights keep the single pass."""
+    if dtype == torch.float32 and with_data and with_transpose:
+        return [{"WITH_DATA": True, "WITH_TRANSPOSE": False}, {"WITH_DATA": False, "WITH_TRANSPOSE": True}]
+    return [{"WITH_DATA": with_data, "WITH_TRANSPOSE": with_transpose}]
 
 
 def quantize_128x128_reference(
