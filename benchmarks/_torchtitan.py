@@ -22,8 +22,24 @@ RECIPES: dict[str, list[str]] = {
     "bf16": [],
     "rowwise": ["--model.converters", "fp8flow", "--fp8flow.recipe", "rowwise"],
     "fp8flow": ["--model.converters", "fp8flow", "--fp8flow.recipe", "blockwise"],
+    # An ablation, not a recipe to train with: FP8-Flow's forward, the gradients of it in BF16.
+    "fp8flow_bf16_backward": [
+        "--model.converters",
+        "fp8flow",
+        "--fp8flow.recipe",
+        "blockwise",
+        "--fp8flow.backward",
+        "bf16",
+    ],
 }
-RECIPE_NAMES = {"bf16": "BF16", "rowwise": "FP8 row-wise (torchao-style)", "fp8flow": "FP8-Flow blockwise"}
+TRAINING_RECIPES = ("bf16", "rowwise", "fp8flow")
+"""The recipes a user trains with (the e2e table's columns); the rest are ablations."""
+RECIPE_NAMES = {
+    "bf16": "BF16",
+    "rowwise": "FP8 row-wise (torchao-style)",
+    "fp8flow": "FP8-Flow blockwise",
+    "fp8flow_bf16_backward": "FP8-Flow forward, BF16 backward (ablation)",
+}
 
 
 def recipe_args(recipe: str) -> list[str]:

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 from _bench import RESULTS_DIR, device_name, row, versions, write_results
-from _torchtitan import BASE_TOML, RECIPE_NAMES, common_args, recipe_args, tokens_per_s, train
+from _torchtitan import BASE_TOML, RECIPE_NAMES, TRAINING_RECIPES, common_args, recipe_args, tokens_per_s, train
 
 FLAVORS = ("debugmodel", "fp8flow_gpu")
 AC_MODES = ("none", "selective", "full")
@@ -248,7 +248,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["auto"],
         help="fp8flow.compile_experts (FP8-Flow runs with compile on; auto = on there)",
     )
-    p.add_argument("--recipes", nargs="+", choices=sorted(RECIPE_NAMES), default=["bf16", "rowwise", "fp8flow"])
+    p.add_argument("--recipes", nargs="+", choices=TRAINING_RECIPES, default=list(TRAINING_RECIPES))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median (compile, allocator)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

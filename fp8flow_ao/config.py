@@ -49,7 +49,7 @@ from torchao.quantization import quant_api
 from torchao.quantization.transform_module import register_quantize_module_handler
 
 from fp8flow_ao.grouped_mm import RECIPES
-from fp8flow_ao.moe import check_moe_layer, convert_moe_layer, is_moe_layer
+from fp8flow_ao.moe import check_backward, check_moe_layer, convert_moe_layer, is_moe_layer
 from fp8flow_ao.tensor import wrap_expert_weights
 from fp8flow_ao.weight_cache import check_weight_cache_mode
 
@@ -96,6 +96,11 @@ class FP8FlowConfig(AOBaseConfig):
             transposes are byte transposes of them (:mod:`fp8flow_ao.parallel.fsdp`). Results are
             bit-identical either way. ``recipe="blockwise"`` only. Off by default until measured
             against BF16 all-gather on several GPUs (no such run yet).
+        backward: ``"fp8"`` (FP8-Flow) or ``"bf16"``, an ablation for locating a loss gap to BF16, not
+            for speed: the same FP8 forward, its gradients computed in BF16 as torchtitan does, at
+            the FP8 forward's values (:func:`fp8flow_ao.moe.fp8flow_routed_experts`). A gap that stays
+            with it comes from the forward. ``recipe="blockwise"`` without ``recompute_experts`` or
+            expert parallelism only.
     """
 
     recompute_experts: bool = False
@@ -103,6 +108,7 @@ class FP8FlowConfig(AOBaseConfig):
     module_filter: Callable[[nn.Module, str], bool] | None = None
     weight_cache: Literal["off", "forward", "step"] = "off"
     fsdp_fp8_all_gather: bool = False
+    backward: Literal["fp8", "bf16"] = "fp8"
 
     def __post_init__(self) -> None:
         if not isinstance(self.recompute_experts, bool):
@@ -120,6 +126,9 @@ class FP8FlowConfig(AOBaseConfig):
             raise ValueError("fsdp_fp8_all_gather=True needs recipe='blockwise' (the rowwise baseline gathers BF16)")
         if self.module_filter is not None and not callable(self.module_filter):
             raise TypeError(f"module_filter must be callable (module, fqn) -> bool, got {self.module_filter!r}")
+        check_backward(self.backward, self.recompute_experts, False)
+        if self.backward != "fp8" and self.recipe != "blockwise":
+            raise ValueError(f"backward={self.backward!r} needs recipe='blockwise' (the fused FP8-Flow path)")
 
 
 def _set_torchtitan_alignment() -> None:
@@ -140,6 +149,7 @@ def _convert_layer(module: nn.Module, config: FP8FlowConfig, fqn: str) -> None:
             fqn=fqn,
             weight_cache=config.weight_cache,
             fsdp_fp8_all_gather=config.fsdp_fp8_all_gather,
+            backward=config.backward,
         )
         return
     check_moe_layer(module, fqn)

@@ -48,12 +48,13 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8flow_ao._checks import check_multiple, check_row_major, check_same_device, check_tensor
+from fp8flow_ao.kernels.dequantize import dequantize
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import grouped_gemm_fp8_blockwise
 from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
 from fp8flow_ao.kernels.permute_pad import permute_pad, permute_pad_rows
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
 from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose
-from fp8flow_ao.kernels.swiglu_quant import swiglu_quant, swiglu_quant_backward
+from fp8flow_ao.kernels.swiglu_quant import swiglu_quant, swiglu_quant_backward, swiglu_reference
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 from fp8flow_ao.parallel.expert_parallel import combine, combine_probs_grad, dispatch, plan_dispatch
 from fp8flow_ao.weight_cache import (
@@ -65,6 +66,8 @@ from fp8flow_ao.weight_cache import (
 )
 
 _HP_DTYPES = (torch.bfloat16, torch.float32)
+BACKWARDS = ("fp8", "bf16")
+"""How the routed experts' backward runs: FP8-Flow's FP8 backward, or the BF16 ablation (:func:`_backward_bf16`)."""
 
 
 def _fc1_swiglu(
@@ -105,7 +108,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
 
     @staticmethod
     @_autocast_off
-    def forward(ctx, x, probs, expert_indices, w1, w2, w3, recompute, weight_cache, ep_group, score_before):
+    def forward(ctx, x, probs, expert_indices, w1, w2, w3, recompute, weight_cache, ep_group, score_before, backward):
         num_experts, top_k = w1.shape[0], expert_indices.shape[1]  # local experts under EP
         # Cast 1 of 2: x [T, D] -> 1x128 FP8 row-wise, before dispatch; everything after stays FP8.
         x_data, x_scale = quantize_1x128(x)
@@ -137,7 +140,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             rows, rows_scale, routed.probs, routed.src_rows, routed.dst_rows, offs, w1, w2, w3, *kept, *fc1_saved
         )
         ctx.recompute, ctx.top_k, ctx.rows_k, ctx.plan = recompute, top_k, rows_k, plan
-        ctx.score_before = score_before
+        ctx.score_before, ctx.backward = score_before, backward
         ctx.dtypes = (x.dtype, probs.dtype, w1.dtype, w2.dtype, w3.dtype)
         # Return the op's result itself when the dtype already matches: a no-op ``.to`` would hand back an
         # alias of an intermediate, and torch 2.11's dynamo then routes the output's gradient to the
@@ -151,6 +154,11 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         kept, fc1_saved = split_kept(saved)
         top_k, rows_k, plan = ctx.top_k, ctx.rows_k, ctx.plan
         x_dtype, probs_dtype, w1_dtype, w2_dtype, w3_dtype = ctx.dtypes
+        if ctx.backward == "bf16":
+            grad_x, grad_probs, grad_w1, grad_w2, grad_w3 = _backward_bf16(
+                grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, fc1_saved[0], ctx
+            )
+            return grad_x.to(x_dtype), grad_probs.to(probs_dtype), None, grad_w1, grad_w2, grad_w3, *(None,) * 5
         # The token rows again, in the forward's padded expert-major order (a gather, no cast).
         xp, xp_scale = permute_pad_rows(rows, rows_scale, src_rows, rows_k)
         # The weights' exact transposes for the dgrads (and W13 itself when recomputing FC1): kept from
@@ -212,7 +220,37 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def _backward_bf16(grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, h, ctx):
+    """The ``backward="bf16"`` ablation: the routed experts' gradients in BF16, as torchtitan computes them
+    (``torch._grouped_mm`` on BF16 operands, the weights' own BF16 values, SwiGLU in fp32), at the FP8
+    forward's activations: the dequantized FP8 input rows ``x8`` and FC1's saved output ``h``. Every
+    quantization of the forward counts as the identity (straight through), and nothing in backward is
+    FP8, so a loss gap left with it comes from the forward. ``h`` enters as the FP8 forward's value with
+    FC1's BF16 gradient (``h_bf16 + (h - h_bf16).detach()``); FC1 and FC2 run again in BF16 for
+    autograd, so this backward costs more than BF16's own. Returns grads of x, probs, w1, w2, w3."""
+    xp, xp_scale = permute_pad_rows(rows, rows_scale, src_rows, ctx.rows_k)
+    dyp, _ = permute_pad_rows(grad_out.to(torch.bfloat16).contiguous(), None, src_rows, ctx.rows_k)
+    with torch.enable_grad():
+        leaves = [
+            dequantize(xp, xp_scale, out_dtype=torch.bfloat16),
+            probs_p.detach().float(),
+            torch.cat([w1, w3], dim=1).detach().to(torch.bfloat16),
+            w2.detach().to(torch.bfloat16),
+        ]
+        x_b, p_b, w13_b, w2_b = (t.requires_grad_() for t in leaves)
+        h_bf16 = torch._grouped_mm(x_b, w13_b.transpose(-2, -1), offs=offs)
+        # Rows past the last group (never written) are zeroed inside swiglu_reference, gradients too.
+        a = swiglu_reference(h_bf16 + (h - h_bf16).detach(), p_b, offs, ctx.score_before).to(torch.bfloat16)
+        y = torch._grouped_mm(a, w2_b.transpose(-2, -1), offs=offs)
+        grad_xp, grad_probs_p, grad_w13, grad_w2 = torch.autograd.grad(y, (x_b, p_b, w13_b, w2_b), dyp)
+    grad_w1, grad_w3 = grad_w13.chunk(2, dim=1)
+    grad_x = unpermute_unpad(grad_xp, dst_rows, ctx.rows_k)
+    grad_probs = grad_probs_p.index_select(0, dst_rows).view(-1, ctx.top_k)
+    return grad_x, grad_probs, grad_w1.to(w1.dtype), grad_w2.to(w2.dtype), grad_w3.to(w3.dtype)
 
 
 def fp8flow_routed_experts(
@@ -226,6 +264,7 @@ def fp8flow_routed_experts(
     weight_cache: str = "off",
     ep_group: dist.ProcessGroup | None = None,
     score_before_experts: bool = False,
+    backward: str = "fp8",
 ) -> torch.Tensor:
     """FP8-Flow routed experts with the top-k combine: ``sum_j top_scores[t, j] * expert_j(x[t])``.
 
@@ -252,6 +291,12 @@ def fp8flow_routed_experts(
             Every rank of the group must call this together.
         score_before_experts: scale each expert's input by its score instead of its output
             (applied to FC1's output rows inside the fused SwiGLU; ``x`` is quantized unscaled).
+        backward: ``"fp8"`` (FP8-Flow) or ``"bf16"``: an ablation for locating a loss gap, not for
+            training speed -- the same FP8 forward, its gradients computed in BF16 with no FP8 in
+            backward (:func:`_backward_bf16`; slower than BF16's own backward). Needs
+            ``recompute_experts=False`` (it reads FC1's saved output), no ``ep_group``, and eager
+            mode (its backward runs autograd on a BF16 graph, which dynamo cannot trace; the layer's
+            ``fp8flow_compile_backend`` is ignored for it).
 
     Returns:
         ``[T, D]`` in ``x``'s dtype. Gradients flow to ``x``, ``top_scores``, ``w1``, ``w2``, ``w3``.
@@ -279,6 +324,7 @@ def fp8flow_routed_experts(
         )
     check_same_device(x=x, top_scores=top_scores, selected_experts_indices=selected_experts_indices, w1=w1)
     check_weight_cache_mode(weight_cache)
+    check_backward(backward, recompute_experts, ep_group is not None)
     return _FP8FlowRoutedExperts.apply(
         x,
         top_scores,
@@ -290,7 +336,21 @@ def fp8flow_routed_experts(
         weight_cache,
         ep_group,
         bool(score_before_experts),
+        backward,
     )
+
+
+def check_backward(backward: object, recompute_experts: bool, expert_parallel: bool) -> None:
+    """Raise ``ValueError`` unless ``backward`` is one of :data:`BACKWARDS` and fits the other options."""
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    if backward == "bf16" and torch.compiler.is_compiling():
+        raise ValueError('backward="bf16" (the ablation) runs eagerly: its backward differentiates a BF16 graph')
+    if backward == "bf16" and (recompute_experts or expert_parallel):
+        raise ValueError(
+            'backward="bf16" (the ablation) needs recompute_experts=False and no expert parallelism: it '
+            "reads FC1's saved output and runs on this rank's rows only"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -349,12 +409,15 @@ class FP8FlowGroupedExperts:
     # A torch.compile backend for the routed path (None: eager); set by the torchtitan converter
     # (fp8flow.compile_experts), since torchtitan's apply_compile skips the experts module.
     fp8flow_compile_backend: str | None = None
+    # "fp8", or the "bf16" backward ablation (fp8flow_routed_experts' backward).
+    fp8flow_backward: str = "fp8"
 
     def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         routed = fp8flow_routed_experts
         # Inside a graph being traced already (a user compiling the layer) the path is traced with it.
         compile_ = self.fp8flow_compile_backend is not None and self.fp8flow_ep_group is None
+        compile_ = compile_ and self.fp8flow_backward == "fp8"  # the ablation's backward runs autograd
         if compile_ and not torch.compiler.is_compiling():
             routed = compiled_routed_experts(self.fp8flow_compile_backend)
         return routed(
@@ -368,6 +431,7 @@ class FP8FlowGroupedExperts:
             weight_cache=self.fp8flow_weight_cache,
             ep_group=self.fp8flow_ep_group,
             score_before_experts=self.fp8flow_score_before_experts,
+            backward=self.fp8flow_backward,
         )
 
 
@@ -450,6 +514,7 @@ def convert_moe_layer(
     fqn: str = "",
     weight_cache: str = "off",
     fsdp_fp8_all_gather: bool = False,
+    backward: str = "fp8",
 ) -> nn.Module:
     """Install the FP8-Flow routed-expert path on a torchtitan-style MoE layer, in place.
 
@@ -457,12 +522,13 @@ def convert_moe_layer(
     ``forward`` quantizes once before dispatch and runs :func:`fp8flow_routed_experts` in its
     ``experts`` module; parameters stay plain ``nn.Parameter`` s, so ``state_dict`` is unchanged.
     Raises ``ValueError`` (see :func:`check_moe_layer`) for unsupported layers or a second conversion.
-    ``weight_cache`` is :func:`fp8flow_routed_experts`'s. ``fsdp_fp8_all_gather`` wraps the expert
+    ``weight_cache`` and ``backward`` are :func:`fp8flow_routed_experts`'s. ``fsdp_fp8_all_gather`` wraps the expert
     weights so that FSDP2 all-gathers them as FP8 tiles (:mod:`fp8flow_ao.parallel.fsdp`; the
     parameters become :class:`~fp8flow_ao.tensor.FP8FlowExpertWeight` s, ``state_dict`` stays plain).
     """
     check_moe_layer(module, fqn)
     check_weight_cache_mode(weight_cache)
+    check_backward(backward, recompute_experts, False)
     if "torchtitan" in sys.modules:  # its expert_parallel_degree must dispatch this layer in FP8
         from fp8flow_ao.torchtitan.expert_parallel import install
 
@@ -470,6 +536,7 @@ def convert_moe_layer(
     _swap_class(module.experts, FP8FlowGroupedExperts)
     module.experts.fp8flow_recompute_experts = bool(recompute_experts)
     module.experts.fp8flow_weight_cache = weight_cache
+    module.experts.fp8flow_backward = backward
     module.experts.fp8flow_score_before_experts = bool(getattr(module, "score_before_experts", False))
     if fsdp_fp8_all_gather:
         from fp8flow_ao.tensor import wrap_expert_weights

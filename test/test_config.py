@@ -67,6 +67,19 @@ def test_config_fields_and_validation():
     with pytest.raises(TypeError, match="module_filter must be callable"):
         FP8FlowConfig(module_filter="layers.0.moe")
     assert FP8FlowConfig().weight_cache == "off"  # no FP8 weight copy outlives a GEMM unless asked for
+    assert FP8FlowConfig().backward == "fp8"
+    with pytest.raises(ValueError, match="backward must be one of"):
+        FP8FlowConfig(backward="fp32")
+    with pytest.raises(ValueError, match="needs recompute_experts=False"):
+        FP8FlowConfig(backward="bf16", recompute_experts=True)
+    with pytest.raises(ValueError, match="needs recipe='blockwise'"):
+        FP8FlowConfig(backward="bf16", recipe="rowwise")
+
+
+def test_backward_ablation_reaches_the_experts():
+    model = _Model()
+    quantize_(model, FP8FlowConfig(backward="bf16"))
+    assert all(block.moe.experts.fp8flow_backward == "bf16" for block in model.layers)
 
 
 def test_weight_cache_reaches_the_experts():

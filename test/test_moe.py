@@ -125,6 +125,32 @@ def test_matches_bf16_layer(runs, routing, recompute):
                 assert sqnr_db(ref[name][e], ours[name][e]) >= 22, (name, e)
 
 
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_bf16_backward_ablation_keeps_the_forward_and_takes_fp8_out_of_backward(runs, routing):
+    """``backward="bf16"``: FP8-Flow's forward bit for bit, gradients with no FP8 in backward, so every
+    gradient is nearer the BF16 layer's than FP8-Flow's own (x's, whose error is mostly backward's, by
+    >= 3 dB); an empty expert still gets an exactly zero gradient. Both score placements."""
+    run = runs[routing]
+    ours = run_step(convert_moe_layer(copy.deepcopy(run["model"]), backward="bf16"), *run["inputs"])
+    ref, fp8 = run["ref"], run[False]
+    assert torch.equal(ours["out"], fp8["out"])
+    for name in ("x", *PARAMS):
+        assert ours[name].dtype == ref[name].dtype and torch.isfinite(ours[name]).all(), name
+        assert sqnr_db(ref[name], ours[name]) > sqnr_db(ref[name], fp8[name]) + (3 if name == "x" else 0), name
+    for name in PARAMS[:3]:
+        for e in range(ref[name].shape[0]):
+            assert (torch.count_nonzero(ref[name][e]) == 0) == (torch.count_nonzero(ours[name][e]) == 0), (name, e)
+
+
+def test_bf16_backward_ablation_refuses_recompute():
+    x, w = torch.randn(128, 256, dtype=torch.bfloat16), torch.randn(4, 128, 256, dtype=torch.bfloat16)
+    probs, ids = torch.rand(128, 2), torch.randint(0, 4, (128, 2))
+    with pytest.raises(ValueError, match="needs recompute_experts=False"):
+        fp8flow_routed_experts(x, probs, ids, w, w.transpose(1, 2), w, recompute_experts=True, backward="bf16")
+    with pytest.raises(ValueError, match="backward must be one of"):
+        fp8flow_routed_experts(x, probs, ids, w, w.transpose(1, 2), w, backward="fp16")
+
+
 @pytest.mark.parametrize("routing", ["skewed", "llama4_skewed"])
 def test_skewed_routing_has_empty_experts(runs, routing):
     """The skewed cases really exercise empty experts and the load-balance bookkeeping."""

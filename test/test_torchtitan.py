@@ -217,6 +217,8 @@ def test_converter_options_reach_fp8flow_config() -> None:
     cfg.fp8flow.recipe = "fp4"
     with pytest.raises(ValueError, match="fp8flow.recipe"):
         FP8FlowConverter(cfg, None)
+    cfg = parse("--job.custom_config_module", "fp8flow_ao.torchtitan.job_config", "--fp8flow.backward", "bf16")
+    assert FP8FlowConverter(cfg, None).config().backward == "bf16"
     keep = fqn_filter(["layers.2."])
     assert keep(None, "layers.1.moe") and not keep(None, "layers.2.moe")
     assert fqn_filter([]) is None

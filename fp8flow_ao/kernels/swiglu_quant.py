@@ -386,6 +386,21 @@ def swiglu_quant_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`swiglu_quant` (the oracle and the CPU path)."""
     rows_ok = _rows_computed(h.shape[0], group_end_offsets, h.device)
+    data, scale_inv = quantize_rows_reference(
+        swiglu_reference(h, probs, group_end_offsets, score_before_experts), BLOCK
+    )
+    return data, torch.where(rows_ok[:, None], scale_inv, 0.0)
+
+
+def swiglu_reference(
+    h: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    group_end_offsets: torch.Tensor | None = None,
+    score_before_experts: bool = False,
+) -> torch.Tensor:
+    """fp32 ``[M, H]`` SwiGLU of ``h`` ``[M, 2H]`` with the probs as :func:`swiglu_quant` applies them, before
+    quantization; 0 in rows at or past the last group end. Differentiable in ``h`` and ``probs``."""
+    rows_ok = _rows_computed(h.shape[0], group_end_offsets, h.device)
     g, u = _gate_up_reference(h, rows_ok)
     if score_before_experts:
         p = _probs_reference(probs, rows_ok)
@@ -393,8 +408,7 @@ def swiglu_quant_reference(
     a = g * _sigmoid_reference(g) * u
     if probs is not None and not score_before_experts:
         a = a * _probs_reference(probs, rows_ok)
-    data, scale_inv = quantize_rows_reference(a, BLOCK)
-    return data, torch.where(rows_ok[:, None], scale_inv, 0.0)
+    return a
 
 
 def _quantize_columns_reference(x: torch.Tensor, rows_ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -129,6 +129,7 @@ class FP8FlowConverter(ModelConverter):
             module_filter=fqn_filter(self.options.filter_fqns),
             weight_cache=self.options.weight_cache,
             fsdp_fp8_all_gather=self.options.fsdp_fp8_all_gather,
+            backward=self.options.backward,
         )
 
     def convert(self, model: nn.Module) -> None:
@@ -145,6 +146,7 @@ class FP8FlowConverter(ModelConverter):
         logger.info(
             f"fp8flow: converted the MoE layers to FP8-Flow (recipe={self.options.recipe}, "
             f"recompute_experts={self.options.recompute_experts}, weight_cache={self.options.weight_cache}, "
+            f"backward={self.options.backward}, "
             f"compiled experts={self.compile_backend or 'no'}, skipped fqns={self.options.filter_fqns})"
         )
 

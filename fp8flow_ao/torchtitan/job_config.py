@@ -10,6 +10,7 @@ torchtitan 0.2.2 merges a custom ``JobConfig`` dataclass into its own when given
     filter_fqns = ["layers.1."]
     weight_cache = "off"
     compile_experts = "auto"
+    backward = "fp8"
 """
 
 # No ``from __future__ import annotations`` here: torchtitan merges these dataclasses into a class of
@@ -49,6 +50,11 @@ class FP8Flow:
     there): its all-to-all split sizes are host integers, which no full graph holds. ``recipe = "blockwise"``
     only ("on" is refused with "rowwise", which runs torchtitan's own expert path, compiled by torchtitan).
     Compiled, ``weight_cache = "step"`` acts as "forward" (its cache is Python state; see weight_cache.py)."""
+
+    backward: Literal["fp8", "bf16"] = "fp8"
+    """"fp8" (FP8-Flow), or "bf16": an ablation that computes the gradients of the same FP8 forward in BF16,
+    to tell whether a loss gap to BF16 comes from the forward or the backward (slower than BF16; not with
+    ``recompute_experts`` or expert parallelism). See fp8flow_ao.config.FP8FlowConfig."""
 
 
 @dataclass
