@@ -15,22 +15,17 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_TOML = REPO / "torchtitan_configs/deepseek_v3_debug_bf16.toml"
-# The three ways the routed experts run, as flags on top of a BF16 job config. "rowwise" is the
+# The ways the routed experts run, as flags on top of a BF16 job config. "rowwise" is the
 # torchao-style FP8 row-wise baseline (per-row scales, torch._scaled_grouped_mm on torchtitan's own
 # expert path): torchtitan 0.2.2's quantize.grouped_mm.float8 converter cannot import torchao 0.18.
 RECIPES: dict[str, list[str]] = {
     "bf16": [],
     "rowwise": ["--model.converters", "fp8flow", "--fp8flow.recipe", "rowwise"],
     "fp8flow": ["--model.converters", "fp8flow", "--fp8flow.recipe", "blockwise"],
-    # An ablation, not a recipe to train with: FP8-Flow's forward, the gradients of it in BF16.
-    "fp8flow_bf16_backward": [
-        "--model.converters",
-        "fp8flow",
-        "--fp8flow.recipe",
-        "blockwise",
-        "--fp8flow.backward",
-        "bf16",
-    ],
+    # Ablations, not recipes to train with: FP8-Flow's forward with all its gradients in BF16, or
+    # FP8-Flow with only its weight gradients in BF16.
+    "fp8flow_bf16_backward": ["--model.converters", "fp8flow", "--fp8flow.backward", "bf16"],
+    "fp8flow_bf16_wgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "bf16_wgrad"],
 }
 TRAINING_RECIPES = ("bf16", "rowwise", "fp8flow")
 """The recipes a user trains with (the e2e table's columns); the rest are ablations."""
@@ -39,6 +34,7 @@ RECIPE_NAMES = {
     "rowwise": "FP8 row-wise (torchao-style)",
     "fp8flow": "FP8-Flow blockwise",
     "fp8flow_bf16_backward": "FP8-Flow forward, BF16 backward (ablation)",
+    "fp8flow_bf16_wgrad": "FP8-Flow, BF16 weight gradients (ablation)",
 }
 
 

@@ -37,9 +37,12 @@ untouched)::
 
 Which half of the step a gap comes from: the ablation recipe ``fp8flow_bf16_backward`` runs FP8-Flow's
 forward with its gradients computed in BF16 (``fp8flow.backward = "bf16"``; ~163 K tok/s, about BF16's
-speed, ~4 min a run); it is paired with BF16 like the recipes but has no goal::
+speed, ~4 min a run); ``fp8flow_bf16_wgrad`` keeps FP8-Flow's backward but computes the weight
+gradients again in BF16 (``fp8flow.backward = "bf16_wgrad"``), splitting a backward gap between dgrads
+and wgrads. Ablations are paired with BF16 like the recipes but have no goal::
 
     python3 benchmarks/bench_convergence.py --recipe fp8flow_bf16_backward --steps 2000
+    python3 benchmarks/bench_convergence.py --recipe fp8flow_bf16_wgrad --steps 2000
 
 Cost (fp8flow_gpu, estimated): a probe is ~0.1 s a MoE layer (the fp32 reference: ~3.7 TFLOP of fp32
 matmuls), measured between the timed steps; the grad norms read the fp32 expert gradients once a

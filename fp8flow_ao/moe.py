@@ -66,8 +66,9 @@ from fp8flow_ao.weight_cache import (
 )
 
 _HP_DTYPES = (torch.bfloat16, torch.float32)
-BACKWARDS = ("fp8", "bf16")
-"""How the routed experts' backward runs: FP8-Flow's FP8 backward, or the BF16 ablation (:func:`_backward_bf16`)."""
+BACKWARDS = ("fp8", "bf16", "bf16_wgrad")
+"""How the routed experts' backward runs: FP8-Flow's FP8 backward, or an ablation that takes FP8 out of all
+of it (:func:`_backward_bf16`) or of its weight gradients only (:func:`_wgrads_bf16`)."""
 
 
 def _fc1_swiglu(
@@ -199,6 +200,10 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # views, which autograd copies into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
         xp_t, xp_t_scale = scaling_aware_transpose(xp, xp_scale, offs)
         grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2)
+        if ctx.backward == "bf16_wgrad":  # the ablation replaces the FP8 weight gradients just computed
+            grad_w2, grad_w13 = _wgrads_bf16(
+                grad_out, grad_a, h, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3, ctx
+            )
 
         # Back to tokens: dx[t] = sum over the token's k rows; grad probs[t, j] = its row's value. Under
         # EP the rows return to their tokens' ranks in BF16 first (the k-sum runs there, in fp32).
@@ -229,28 +234,55 @@ def _backward_bf16(grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs
     (``torch._grouped_mm`` on BF16 operands, the weights' own BF16 values, SwiGLU in fp32), at the FP8
     forward's activations: the dequantized FP8 input rows ``x8`` and FC1's saved output ``h``. Every
     quantization of the forward counts as the identity (straight through), and nothing in backward is
-    FP8, so a loss gap left with it comes from the forward. ``h`` enters as the FP8 forward's value with
-    FC1's BF16 gradient (``h_bf16 + (h - h_bf16).detach()``); FC1 and FC2 run again in BF16 for
-    autograd, so this backward costs more than BF16's own. Returns grads of x, probs, w1, w2, w3."""
+    FP8, so a loss gap left with it comes from the forward. Returns grads of x, probs, w1, w2, w3."""
     xp, xp_scale = permute_pad_rows(rows, rows_scale, src_rows, ctx.rows_k)
     dyp, _ = permute_pad_rows(grad_out.to(torch.bfloat16).contiguous(), None, src_rows, ctx.rows_k)
-    with torch.enable_grad():
-        leaves = [
-            dequantize(xp, xp_scale, out_dtype=torch.bfloat16),
-            probs_p.detach().float(),
-            torch.cat([w1, w3], dim=1).detach().to(torch.bfloat16),
-            w2.detach().to(torch.bfloat16),
-        ]
-        x_b, p_b, w13_b, w2_b = (t.requires_grad_() for t in leaves)
-        h_bf16 = torch._grouped_mm(x_b, w13_b.transpose(-2, -1), offs=offs)
-        # Rows past the last group (never written) are zeroed inside swiglu_reference, gradients too.
-        a = swiglu_reference(h_bf16 + (h - h_bf16).detach(), p_b, offs, ctx.score_before).to(torch.bfloat16)
-        y = torch._grouped_mm(a, w2_b.transpose(-2, -1), offs=offs)
-        grad_xp, grad_probs_p, grad_w13, grad_w2 = torch.autograd.grad(y, (x_b, p_b, w13_b, w2_b), dyp)
+    a = swiglu_reference(h, probs_p, offs, ctx.score_before).to(torch.bfloat16)
+    grad_a, grad_w2 = _grouped_mm_vjp(a, w2, offs, dyp, with_x=True)
+    dh, grad_probs_p = _swiglu_vjp(h, probs_p, offs, ctx.score_before, grad_a)
+    x_b = dequantize(xp, xp_scale, out_dtype=torch.bfloat16)
+    grad_xp, grad_w13 = _grouped_mm_vjp(x_b, torch.cat([w1, w3], dim=1), offs, dh, with_x=True)
     grad_w1, grad_w3 = grad_w13.chunk(2, dim=1)
     grad_x = unpermute_unpad(grad_xp, dst_rows, ctx.rows_k)
     grad_probs = grad_probs_p.index_select(0, dst_rows).view(-1, ctx.top_k)
     return grad_x, grad_probs, grad_w1.to(w1.dtype), grad_w2.to(w2.dtype), grad_w3.to(w3.dtype)
+
+
+def _wgrads_bf16(grad_out, grad_a, h, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3, ctx):
+    """The ``backward="bf16_wgrad"`` ablation: the weight gradients again, in BF16 on operands that were
+    never quantized in backward (dy, SwiGLU's output from ``h``, dh from SwiGLU's fp32 backward of the
+    FP8 dgrad's ``grad_a``; the forward's dequantized ``x8``). The dgrads stay FP8-Flow's, so with the
+    ``"bf16"`` ablation this splits a backward gap between dgrads and wgrads. Returns grad w2
+    ``[E, D, H]`` and grad W13 as ``[2, E, H, D]`` (w1's, w3's), in the weights' dtypes."""
+    dyp, _ = permute_pad_rows(grad_out.to(torch.bfloat16).contiguous(), None, src_rows, ctx.rows_k)
+    a = swiglu_reference(h, probs_p, offs, ctx.score_before).to(torch.bfloat16)
+    _, grad_w2 = _grouped_mm_vjp(a, w2, offs, dyp, with_x=False)
+    dh, _ = _swiglu_vjp(h, probs_p, offs, ctx.score_before, grad_a)
+    x_b = dequantize(xp, xp_scale, out_dtype=torch.bfloat16)
+    _, grad_w13 = _grouped_mm_vjp(x_b, torch.cat([w1, w3], dim=1), offs, dh, with_x=False)
+    grad_w1, grad_w3 = grad_w13.chunk(2, dim=1)
+    return grad_w2.to(w2.dtype), torch.stack([grad_w1.to(w1.dtype), grad_w3.to(w3.dtype)])
+
+
+def _grouped_mm_vjp(x, w, offs, grad, with_x):
+    """(grad of ``x`` or None, grad of ``w``) of BF16 ``torch._grouped_mm(x, w^T, offs)``, ``x`` ``[M, K]``,
+    ``w`` ``[E, N, K]``, for the output gradient ``grad`` ``[M, N]``. By autograd, so torch lays out its
+    own transposes (one more forward GEMM: the ablations buy simplicity with time)."""
+    with torch.enable_grad():
+        x_b = x.detach().to(torch.bfloat16).requires_grad_(with_x)
+        w_b = w.detach().to(torch.bfloat16).requires_grad_()
+        out = torch._grouped_mm(x_b, w_b.transpose(-2, -1), offs=offs)
+        grads = torch.autograd.grad(out, (x_b, w_b) if with_x else (w_b,), grad.to(torch.bfloat16))
+    return (grads[0], grads[1]) if with_x else (None, grads[0])
+
+
+def _swiglu_vjp(h, probs, offs, score_before, grad_a):
+    """(dh fp32 ``[M, 2H]``, d probs fp32 ``[M]``) of :func:`swiglu_reference` at FC1's output ``h`` for
+    ``grad_a`` ``[M, H]``; rows past the last group get 0."""
+    with torch.enable_grad():
+        h32 = h.detach().float().requires_grad_()
+        p32 = probs.detach().float().requires_grad_()
+        return torch.autograd.grad(swiglu_reference(h32, p32, offs, score_before), (h32, p32), grad_a.float())
 
 
 def fp8flow_routed_experts(
@@ -291,9 +323,11 @@ def fp8flow_routed_experts(
             Every rank of the group must call this together.
         score_before_experts: scale each expert's input by its score instead of its output
             (applied to FC1's output rows inside the fused SwiGLU; ``x`` is quantized unscaled).
-        backward: ``"fp8"`` (FP8-Flow) or ``"bf16"``: an ablation for locating a loss gap, not for
-            training speed -- the same FP8 forward, its gradients computed in BF16 with no FP8 in
-            backward (:func:`_backward_bf16`; slower than BF16's own backward). Needs
+        backward: ``"fp8"`` (FP8-Flow), or an ablation for locating a loss gap, not for training
+            speed: ``"bf16"`` -- the same FP8 forward, its gradients computed in BF16 with no FP8 in
+            backward (:func:`_backward_bf16`; slower than BF16's own backward); ``"bf16_wgrad"`` --
+            FP8-Flow's backward with the weight gradients computed again in BF16 from unquantized
+            operands (:func:`_wgrads_bf16`; the dgrads stay FP8). Each ablation needs
             ``recompute_experts=False`` (it reads FC1's saved output), no ``ep_group``, and eager
             mode (its backward runs autograd on a BF16 graph, which dynamo cannot trace; the layer's
             ``fp8flow_compile_backend`` is ignored for it).
@@ -344,12 +378,12 @@ def check_backward(backward: object, recompute_experts: bool, expert_parallel: b
     """Raise ``ValueError`` unless ``backward`` is one of :data:`BACKWARDS` and fits the other options."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    if backward == "bf16" and torch.compiler.is_compiling():
-        raise ValueError('backward="bf16" (the ablation) runs eagerly: its backward differentiates a BF16 graph')
-    if backward == "bf16" and (recompute_experts or expert_parallel):
+    if backward != "fp8" and torch.compiler.is_compiling():
+        raise ValueError(f"backward={backward!r} (an ablation) runs eagerly: its backward differentiates a BF16 graph")
+    if backward != "fp8" and (recompute_experts or expert_parallel):
         raise ValueError(
-            'backward="bf16" (the ablation) needs recompute_experts=False and no expert parallelism: it '
-            "reads FC1's saved output and runs on this rank's rows only"
+            f"backward={backward!r} (an ablation) needs recompute_experts=False and no expert parallelism: "
+            "it reads FC1's saved output and the BF16 output gradient of this rank's rows"
         )
 
 
@@ -409,7 +443,7 @@ class FP8FlowGroupedExperts:
     # A torch.compile backend for the routed path (None: eager); set by the torchtitan converter
     # (fp8flow.compile_experts), since torchtitan's apply_compile skips the experts module.
     fp8flow_compile_backend: str | None = None
-    # "fp8", or the "bf16" backward ablation (fp8flow_routed_experts' backward).
+    # "fp8", or a backward ablation (BACKWARDS; fp8flow_routed_experts' backward).
     fp8flow_backward: str = "fp8"
 
     def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
@@ -417,7 +451,7 @@ class FP8FlowGroupedExperts:
         routed = fp8flow_routed_experts
         # Inside a graph being traced already (a user compiling the layer) the path is traced with it.
         compile_ = self.fp8flow_compile_backend is not None and self.fp8flow_ep_group is None
-        compile_ = compile_ and self.fp8flow_backward == "fp8"  # the ablation's backward runs autograd
+        compile_ = compile_ and self.fp8flow_backward == "fp8"  # the ablations' backward runs autograd
         if compile_ and not torch.compiler.is_compiling():
             routed = compiled_routed_experts(self.fp8flow_compile_backend)
         return routed(
