@@ -68,7 +68,7 @@ from fp8flow_ao.weight_cache import (
 _HP_DTYPES = (torch.bfloat16, torch.float32)
 BACKWARDS = ("fp8", "bf16", "bf16_wgrad")
 """How the routed experts' backward runs: FP8-Flow's FP8 backward, or an ablation that takes FP8 out of all
-of it (:func:`_backward_bf16`) or of its weight gradients only (:func:`_wgrads_bf16`)."""
+of it or of its weight gradients only (:func:`_grads_bf16`)."""
 
 
 def _fc1_swiglu(
@@ -154,56 +154,15 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, *saved = ctx.saved_tensors
         kept, fc1_saved = split_kept(saved)
         top_k, rows_k, plan = ctx.top_k, ctx.rows_k, ctx.plan
-        x_dtype, probs_dtype, w1_dtype, w2_dtype, w3_dtype = ctx.dtypes
-        if ctx.backward == "bf16":
-            grad_x, grad_probs, grad_w1, grad_w2, grad_w3 = _backward_bf16(
-                grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, fc1_saved[0], ctx
-            )
-            return grad_x.to(x_dtype), grad_probs.to(probs_dtype), None, grad_w1, grad_w2, grad_w3, *(None,) * 5
+        x_dtype, probs_dtype, _, _, w3_dtype = ctx.dtypes
         # The token rows again, in the forward's padded expert-major order (a gather, no cast).
         xp, xp_scale = permute_pad_rows(rows, rows_scale, src_rows, rows_k)
-        # The weights' exact transposes for the dgrads (and W13 itself when recomputing FC1): kept from
-        # forward, or quantized again from the same weights (the same bits), each right before its dgrad
-        # and dropped after it, so no FP8 weight copy is alive while the weight gradients are written.
-        qw13 = weights_for_backward(kept, w1, w2, w3, True, "w13") if ctx.recompute else None
-        if ctx.recompute:
-            h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw13.w13, qw13.w13_scale, probs_p, offs, ctx.score_before)
+        if ctx.backward == "bf16":  # the ablation: no FP8 in backward
+            h = fc1_saved[0]
+            grads = _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx)
         else:
-            h, a_data, a_scale = fc1_saved
-
-        # Cast 2 of 2: dy [T, D] -> 1x128 FP8 row-wise, then the same gather as x (the combine's backward).
-        dy_data, dy_scale = quantize_1x128(grad_out.contiguous())
-        if plan is not None:  # to the experts' ranks in FP8, along the forward's routes
-            dy_data, dy_scale, _ = dispatch(dy_data, dy_scale, plan)
-        dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, rows_k)
-
-        # FC2 dgrad: da [M, H] = dy @ w2 per expert, RHS = exact FP8 w2^T [E, H, D].
-        qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2")
-        grad_a = grouped_gemm_fp8_blockwise(dyp, dyp_scale, qw2.w2_t, qw2.w2_t_scale, offs, out_dtype=torch.bfloat16)
-        del qw2
-        # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
-        dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
-        a_t, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
-        # Weight gradients leave the GEMM in the weights' dtype: the kernel accumulates in fp32 and rounds
-        # once (the same bits as rounding an fp32 result), without writing and re-reading an fp32 copy.
-        grad_w2 = grouped_gemm_fp8_wgrad(dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype)
-
-        # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
-        dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs, ctx.score_before)
-        # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
-        if qw13 is None:
-            qw13 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w13")
-        grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, qw13.w13_t, qw13.w13_t_scale, offs, out_dtype=torch.bfloat16)
-        del qw13
-        # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8. Stored as
-        # [2, E, H, D], so w1's and w3's gradients are contiguous: halves of [E, 2H, D] would be strided
-        # views, which autograd copies into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
-        xp_t, xp_t_scale = scaling_aware_transpose(xp, xp_scale, offs)
-        grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2)
-        if ctx.backward == "bf16_wgrad":  # the ablation replaces the FP8 weight gradients just computed
-            grad_w2, grad_w13 = _wgrads_bf16(
-                grad_out, grad_a, h, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3, ctx
-            )
+            grads = _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3, kept, fc1_saved)
+        grad_xp, grad_probs_p, grad_w2, grad_w13 = grads
 
         # Back to tokens: dx[t] = sum over the token's k rows; grad probs[t, j] = its row's value. Under
         # EP the rows return to their tokens' ranks in BF16 first (the k-sum runs there, in fp32).
@@ -229,39 +188,76 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         )
 
 
-def _backward_bf16(grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, h, ctx):
-    """The ``backward="bf16"`` ablation: the routed experts' gradients in BF16, as torchtitan computes them
-    (``torch._grouped_mm`` on BF16 operands, the weights' own BF16 values, SwiGLU in fp32), at the FP8
-    forward's activations: the dequantized FP8 input rows ``x8`` and FC1's saved output ``h``. Every
-    quantization of the forward counts as the identity (straight through), and nothing in backward is
-    FP8, so a loss gap left with it comes from the forward. Returns grads of x, probs, w1, w2, w3."""
-    xp, xp_scale = permute_pad_rows(rows, rows_scale, src_rows, ctx.rows_k)
-    dyp, _ = permute_pad_rows(grad_out.to(torch.bfloat16).contiguous(), None, src_rows, ctx.rows_k)
-    a = swiglu_reference(h, probs_p, offs, ctx.score_before).to(torch.bfloat16)
-    grad_a, grad_w2 = _grouped_mm_vjp(a, w2, offs, dyp, with_x=True)
-    dh, grad_probs_p = _swiglu_vjp(h, probs_p, offs, ctx.score_before, grad_a)
-    x_b = dequantize(xp, xp_scale, out_dtype=torch.bfloat16)
-    grad_xp, grad_w13 = _grouped_mm_vjp(x_b, torch.cat([w1, w3], dim=1), offs, dh, with_x=True)
-    grad_w1, grad_w3 = grad_w13.chunk(2, dim=1)
-    grad_x = unpermute_unpad(grad_xp, dst_rows, ctx.rows_k)
-    grad_probs = grad_probs_p.index_select(0, dst_rows).view(-1, ctx.top_k)
-    return grad_x, grad_probs, grad_w1.to(w1.dtype), grad_w2.to(w2.dtype), grad_w3.to(w3.dtype)
+def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3, kept, fc1_saved):
+    """FP8-Flow's backward from the permuted FP8 rows ``xp`` to (grad xp ``[M, D]`` BF16, grad probs_p ``[M]``,
+    grad w2 ``[E, D, H]``, grad W13 ``[2, E, H, D]``); the weight gradients in the weights' dtypes."""
+    rows_k, plan = ctx.rows_k, ctx.plan
+    w1_dtype, w2_dtype = ctx.dtypes[2:4]
+    # The weights' exact transposes for the dgrads (and W13 itself when recomputing FC1): kept from
+    # forward, or quantized again from the same weights (the same bits), each right before its dgrad
+    # and dropped after it, so no FP8 weight copy is alive while the weight gradients are written.
+    qw13 = weights_for_backward(kept, w1, w2, w3, True, "w13") if ctx.recompute else None
+    if ctx.recompute:
+        h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw13.w13, qw13.w13_scale, probs_p, offs, ctx.score_before)
+    else:
+        h, a_data, a_scale = fc1_saved
+
+    # Cast 2 of 2: dy [T, D] -> 1x128 FP8 row-wise, then the same gather as x (the combine's backward).
+    dy_data, dy_scale = quantize_1x128(grad_out.contiguous())
+    if plan is not None:  # to the experts' ranks in FP8, along the forward's routes
+        dy_data, dy_scale, _ = dispatch(dy_data, dy_scale, plan)
+    dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, rows_k)
+
+    # FC2 dgrad: da [M, H] = dy @ w2 per expert, RHS = exact FP8 w2^T [E, H, D].
+    qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2")
+    grad_a = grouped_gemm_fp8_blockwise(dyp, dyp_scale, qw2.w2_t, qw2.w2_t_scale, offs, out_dtype=torch.bfloat16)
+    del qw2
+    # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
+    dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
+    a_t, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
+    # Weight gradients leave the GEMM in the weights' dtype: the kernel accumulates in fp32 and rounds
+    # once (the same bits as rounding an fp32 result), without writing and re-reading an fp32 copy.
+    grad_w2 = grouped_gemm_fp8_wgrad(dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype)
+
+    # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
+    dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs, ctx.score_before)
+    # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
+    if qw13 is None:
+        qw13 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w13")
+    grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, qw13.w13_t, qw13.w13_t_scale, offs, out_dtype=torch.bfloat16)
+    del qw13
+    # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8. Stored as
+    # [2, E, H, D], so w1's and w3's gradients are contiguous: halves of [E, 2H, D] would be strided
+    # views, which autograd copies into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
+    xp_t, xp_t_scale = scaling_aware_transpose(xp, xp_scale, offs)
+    grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2)
+    if ctx.backward == "bf16_wgrad":  # the ablation replaces the FP8 weight gradients just computed
+        _, _, grad_w2, grad_w13 = _grads_bf16(
+            grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx, grad_a
+        )
+    return grad_xp, grad_probs_p, grad_w2, grad_w13
 
 
-def _wgrads_bf16(grad_out, grad_a, h, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3, ctx):
-    """The ``backward="bf16_wgrad"`` ablation: the weight gradients again, in BF16 on operands that were
-    never quantized in backward (dy, SwiGLU's output from ``h``, dh from SwiGLU's fp32 backward of the
-    FP8 dgrad's ``grad_a``; the forward's dequantized ``x8``). The dgrads stay FP8-Flow's, so with the
-    ``"bf16"`` ablation this splits a backward gap between dgrads and wgrads. Returns grad w2
-    ``[E, D, H]`` and grad W13 as ``[2, E, H, D]`` (w1's, w3's), in the weights' dtypes."""
+def _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx, grad_a=None):
+    """The backward ablations: gradients in BF16 as torchtitan computes them (``torch._grouped_mm`` on BF16
+    operands, the weights' own BF16 values, SwiGLU in fp32), at the FP8 forward's activations (the
+    dequantized rows ``xp`` of x8 and FC1's saved output ``h``); every quantization of the forward
+    counts as the identity (straight through).
+
+    Without ``grad_a`` (``backward="bf16"``): every gradient, from the BF16 ``dy``; nothing in backward is
+    FP8, so a loss gap left with it comes from the forward. Given the FP8 dgrad's ``grad_a``
+    (``backward="bf16_wgrad"``): the weight gradients only, dh from SwiGLU's fp32 backward of it, so with
+    ``"bf16"`` it splits a backward gap between dgrads and wgrads. Returns FP8-Flow's layout: grad xp
+    ``[M, D]`` (None with ``grad_a``), grad probs_p ``[M]``, grad w2 ``[E, D, H]`` and grad W13
+    ``[2, E, H, D]`` (w1's and w3's), the weight gradients in w2's and w1's dtypes."""
+    every = grad_a is None
     dyp, _ = permute_pad_rows(grad_out.to(torch.bfloat16).contiguous(), None, src_rows, ctx.rows_k)
     a = swiglu_reference(h, probs_p, offs, ctx.score_before).to(torch.bfloat16)
-    _, grad_w2 = _grouped_mm_vjp(a, w2, offs, dyp, with_x=False)
-    dh, _ = _swiglu_vjp(h, probs_p, offs, ctx.score_before, grad_a)
-    x_b = dequantize(xp, xp_scale, out_dtype=torch.bfloat16)
-    _, grad_w13 = _grouped_mm_vjp(x_b, torch.cat([w1, w3], dim=1), offs, dh, with_x=False)
-    grad_w1, grad_w3 = grad_w13.chunk(2, dim=1)
-    return grad_w2.to(w2.dtype), torch.stack([grad_w1.to(w1.dtype), grad_w3.to(w3.dtype)])
+    grad_a_bf16, grad_w2 = _grouped_mm_vjp(a, w2, offs, dyp, with_x=every)
+    dh, grad_probs_p = _swiglu_vjp(h, probs_p, offs, ctx.score_before, grad_a_bf16 if every else grad_a)
+    x_bf16 = dequantize(xp, xp_scale, out_dtype=torch.bfloat16)
+    grad_xp, grad_w13 = _grouped_mm_vjp(x_bf16, torch.cat([w1, w3], dim=1), offs, dh, with_x=every)
+    return grad_xp, grad_probs_p, grad_w2.to(w2.dtype), torch.stack(grad_w13.to(w1.dtype).chunk(2, dim=1))
 
 
 def _grouped_mm_vjp(x, w, offs, grad, with_x):
@@ -325,9 +321,9 @@ def fp8flow_routed_experts(
             (applied to FC1's output rows inside the fused SwiGLU; ``x`` is quantized unscaled).
         backward: ``"fp8"`` (FP8-Flow), or an ablation for locating a loss gap, not for training
             speed: ``"bf16"`` -- the same FP8 forward, its gradients computed in BF16 with no FP8 in
-            backward (:func:`_backward_bf16`; slower than BF16's own backward); ``"bf16_wgrad"`` --
+            backward (:func:`_grads_bf16`; slower than BF16's own backward); ``"bf16_wgrad"`` --
             FP8-Flow's backward with the weight gradients computed again in BF16 from unquantized
-            operands (:func:`_wgrads_bf16`; the dgrads stay FP8). Each ablation needs
+            operands (the dgrads stay FP8). Each ablation needs
             ``recompute_experts=False`` (it reads FC1's saved output), no ``ep_group``, and eager
             mode (its backward runs autograd on a BF16 graph, which dynamo cannot trace; the layer's
             ``fp8flow_compile_backend`` is ignored for it).
