@@ -155,8 +155,9 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         kept, fc1_saved = split_kept(saved)
         top_k, rows_k, plan = ctx.top_k, ctx.rows_k, ctx.plan
         x_dtype, probs_dtype, _, _, w3_dtype = ctx.dtypes
-        # The token rows again, in the forward's padded expert-major order (a gather, no cast).
-        xp, xp_scale = permute_pad_rows(rows, rows_scale, src_rows, rows_k)
+        # The token rows again, in the forward's padded expert-major order (a gather, no cast), as an op
+        # torch.compile cannot merge with forward's gather (which would save the permuted rows, k x8's bytes).
+        xp, xp_scale = permute_pad_rows(rows, rows_scale, src_rows, rows_k, recompute=True)
         if ctx.backward == "bf16":  # the ablation: no FP8 in backward
             h = fc1_saved[0]
             grads = _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx)
@@ -400,20 +401,8 @@ def compiled_routed_experts(backend: str | Callable):
     One compiled function for every layer: dynamo caches graphs on the function's code and guards on
     its arguments (shapes, dtypes, the Python options), so same-shaped layers share one graph instead
     of recompiling per layer up to dynamo's recompile limit.
-
-    Traced without AOT autograd's common-subexpression elimination: backward re-permutes the saved
-    ``x8`` ``[T, D]`` with the very call forward made, and CSE would merge the two, so the graph would
-    save the permuted rows ``[~k*T, D]`` for backward instead (k times the bytes, padding included, also
-    with ``recompute_experts``). The flag is read while a graph is traced, i.e. on the calls that compile.
     """
-    compiled = torch.compile(fp8flow_routed_experts, fullgraph=True, backend=backend)
-
-    @functools.wraps(fp8flow_routed_experts)
-    def routed(*args, **kwargs):
-        with torch._functorch.config.patch(cse=False):
-            return compiled(*args, **kwargs)
-
-    return routed
+    return torch.compile(fp8flow_routed_experts, fullgraph=True, backend=backend)
 
 
 class FP8FlowGroupedExperts:

@@ -249,7 +249,10 @@ def test_compile_fullgraph():
     assert torch.equal(grads[0], grads[1])
 
 
-def test_opcheck():
+@pytest.mark.parametrize("gather", ["permute_pad_rows", "permute_pad_rows_recompute"])
+def test_opcheck(gather):
+    """Both names of the gather (backward's is a distinct op for torch.compile) pass the op checks."""
+    op = getattr(torch.ops.fp8flow, gather).default
     tokens, top_k, experts = 24, 2, 3
     ids = make_routing("distinct", tokens, top_k, experts, DEVICE)
     src_rows, _, _ = route_pad(ids, experts)
@@ -263,10 +266,16 @@ def test_opcheck():
     # test_schema compares inputs with torch.allclose, which torch does not implement for float8:
     # run the other checks, and check the no-mutation part of the schema here.
     checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(torch.ops.fp8flow.permute_pad_rows.default, (x8, s8, src_rows, top_k), test_utils=checks)
+    torch.library.opcheck(op, (x8, s8, src_rows, top_k), test_utils=checks)
     assert_fp8_equal(x8, x8_before, "x8 after the op")
     x = torch.randn(tokens, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    torch.library.opcheck(torch.ops.fp8flow.permute_pad_rows.default, (x, None, src_rows, top_k))
+    torch.library.opcheck(op, (x, None, src_rows, top_k))
+    # the public function's recompute flag picks the second name and gives the same rows
+    assert_fp8_equal(
+        permute_pad_rows(x8, s8, src_rows, top_k, recompute=True)[0],
+        permute_pad_rows(x8, s8, src_rows, top_k)[0],
+        "rows",
+    )
 
 
 def _bad_cases():

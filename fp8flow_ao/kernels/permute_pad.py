@@ -372,18 +372,7 @@ def permute_pad_rows_reference(
     return data, take_rows_or_zero(_bits(x_scale), src_rows, top_k).view(torch.float32)
 
 
-@torch.library.custom_op("fp8flow::permute_pad_rows", mutates_args=())
-def _permute_pad_rows_op(
-    x: torch.Tensor, x_scale: torch.Tensor | None, src_rows: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return permute_pad_rows_reference(x, x_scale, src_rows, top_k)
-
-
-_permute_pad_rows_op.register_kernel("cuda")(launch_permute_pad_rows)
-
-
-@_permute_pad_rows_op.register_fake
-def _(x, x_scale, src_rows, top_k):
+def _permute_pad_rows_fake(x, x_scale, src_rows, top_k):
     return x.new_empty((src_rows.shape[0], x.shape[1])), _empty_scale(x, x_scale, src_rows.shape[0])
 
 
@@ -411,7 +400,29 @@ def _backward(ctx, grad_data: torch.Tensor, grad_scale: torch.Tensor):
     return grad_x, None, None, None
 
 
-_permute_pad_rows_op.register_autograd(_backward, setup_context=_setup_context)
+def _register_permute_pad_rows(name: str):
+    """The gather as the custom op ``fp8flow::<name>``: reference on the CPU, Triton on CUDA, fake, autograd."""
+
+    def gather(
+        x: torch.Tensor, x_scale: torch.Tensor | None, src_rows: torch.Tensor, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return permute_pad_rows_reference(x, x_scale, src_rows, top_k)
+
+    op = torch.library.custom_op(f"fp8flow::{name}", gather, mutates_args=())
+    op.register_kernel("cuda")(launch_permute_pad_rows)
+    op.register_fake(_permute_pad_rows_fake)
+    op.register_autograd(_backward, setup_context=_setup_context)
+    return op
+
+
+# The same gather twice, under two names: backward gathers again rows that forward gathered (the FP8-Flow
+# layer keeps x8 [T, D], not the permuted rows [~k*T, D]), and under torch.compile AOT autograd's
+# common-subexpression elimination merges two calls of one op on the same inputs, so the compiled graph
+# would save the permuted rows (k times the bytes, padding included) for backward. A call of the second
+# op is a different expression. (A view of the inputs does not do it: inductor removes no-op views
+# before the partitioner runs the elimination.)
+for _name in ("permute_pad_rows", "permute_pad_rows_recompute"):
+    _register_permute_pad_rows(_name)
 
 
 def _check_rows_input(x: torch.Tensor, x_scale: torch.Tensor | None) -> None:
@@ -428,7 +439,7 @@ def _check_rows_input(x: torch.Tensor, x_scale: torch.Tensor | None) -> None:
 
 
 def permute_pad_rows(
-    x: torch.Tensor, x_scale: torch.Tensor | None, src_rows: torch.Tensor, top_k: int
+    x: torch.Tensor, x_scale: torch.Tensor | None, src_rows: torch.Tensor, top_k: int, recompute: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gather token rows into padded expert-major order: row ``r`` = ``x[src_rows[r] // top_k]``.
 
@@ -439,6 +450,9 @@ def permute_pad_rows(
         src_rows: int32 ``[M_pad]`` contiguous, flattened ``t * top_k + j`` per padded row, ``-1`` on
             pad rows (from :func:`route_pad`).
         top_k: experts per token.
+        recompute: ``True`` in a backward that gathers again what its forward gathered: the same
+            result from a distinct op (``fp8flow::permute_pad_rows_recompute``), so torch.compile
+            cannot merge the two gathers and save the gathered rows instead of ``x``.
 
     Returns:
         ``(data, scale_inv)``: ``data`` ``[M_pad, D]`` in ``x``'s dtype, ``scale_inv`` fp32
@@ -450,9 +464,12 @@ def permute_pad_rows(
     check_contiguous("src_rows", src_rows)
     check_positive_int("top_k", top_k)
     check_same_device(x=x, x_scale=x_scale, src_rows=src_rows)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
     if validation_enabled():
         validate_index_range("src_rows", src_rows, -1, x.shape[0] * top_k)
-    data, scale = torch.ops.fp8flow.permute_pad_rows(x, x_scale, src_rows, top_k)
+    op = torch.ops.fp8flow.permute_pad_rows_recompute if recompute else torch.ops.fp8flow.permute_pad_rows
+    data, scale = op(x, x_scale, src_rows, top_k)
     return data, (scale if x_scale is not None else None)
 
 
