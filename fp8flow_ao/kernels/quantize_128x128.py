@@ -4,7 +4,8 @@ plus the exact transpose that the dgrad GEMM needs.
 One pass per tile: read the 128 x 128 tile once, take its amax, derive the power-of-two scale, cast,
 and write the tile to ``data`` and, transposed, to ``data_t``. A 128 x 128 block is symmetric under
 transpose, so ``data_t[e] == data[e].T`` bit for bit and ``scale_inv_t[e] == scale_inv[e].T``: the
-dgrad operand is the forward operand transposed, never a second quantization.
+dgrad operand is the forward operand transposed, never a second quantization. (fp32 weights asking
+for both orientations take two passes, one per orientation: a triton 3.6 miscompile, see ``_passes``.)
 
 ``w_tail`` quantizes the row concatenation ``cat([w, w_tail], dim=-2)`` without materializing it
 (the MoE layer's ``W13 = [w1; w3]``): each program reads its tile from whichever input holds its
