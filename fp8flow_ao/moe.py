@@ -194,6 +194,7 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
     grad w2 ``[E, D, H]``, grad W13 ``[2, E, H, D]``); the weight gradients in the weights' dtypes."""
     rows_k, plan = ctx.rows_k, ctx.plan
     w1_dtype, w2_dtype = ctx.dtypes[2:4]
+    fp8_wgrads = ctx.backward != "bf16_wgrad"  # that ablation computes the weight gradients in BF16 instead
     # The weights' exact transposes for the dgrads (and W13 itself when recomputing FC1): kept from
     # forward, or quantized again from the same weights (the same bits), each right before its dgrad
     # and dropped after it, so no FP8 weight copy is alive while the weight gradients are written.
@@ -213,12 +214,13 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
     qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2")
     grad_a = grouped_gemm_fp8_blockwise(dyp, dyp_scale, qw2.w2_t, qw2.w2_t_scale, offs, out_dtype=torch.bfloat16)
     del qw2
-    # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
-    dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
-    a_t, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
-    # Weight gradients leave the GEMM in the weights' dtype: the kernel accumulates in fp32 and rounds
-    # once (the same bits as rounding an fp32 result), without writing and re-reading an fp32 copy.
-    grad_w2 = grouped_gemm_fp8_wgrad(dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype)
+    if fp8_wgrads:
+        # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
+        dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
+        a_t, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
+        # Weight gradients leave the GEMM in the weights' dtype: the kernel accumulates in fp32 and rounds
+        # once (the same bits as rounding an fp32 result), without writing and re-reading an fp32 copy.
+        grad_w2 = grouped_gemm_fp8_wgrad(dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype)
 
     # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
     dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs, ctx.score_before)
@@ -230,9 +232,10 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
     # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8. Stored as
     # [2, E, H, D], so w1's and w3's gradients are contiguous: halves of [E, 2H, D] would be strided
     # views, which autograd copies into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
-    xp_t, xp_t_scale = scaling_aware_transpose(xp, xp_scale, offs)
-    grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2)
-    if ctx.backward == "bf16_wgrad":  # the ablation replaces the FP8 weight gradients just computed
+    if fp8_wgrads:
+        xp_t, xp_t_scale = scaling_aware_transpose(xp, xp_scale, offs)
+        grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2)
+    else:
         _, _, grad_w2, grad_w13 = _grads_bf16(
             grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx, grad_a
         )
