@@ -22,19 +22,23 @@ RECIPES: dict[str, list[str]] = {
     "bf16": [],
     "rowwise": ["--model.converters", "fp8flow", "--fp8flow.recipe", "rowwise"],
     "fp8flow": ["--model.converters", "fp8flow", "--fp8flow.recipe", "blockwise"],
+    "fp8flow_bf16_fc1_dgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "bf16_fc1_dgrad"],
     # Ablations, not recipes to train with: FP8-Flow's forward with all its gradients in BF16, or
     # FP8-Flow with only its weight gradients in BF16.
     "fp8flow_bf16_backward": ["--model.converters", "fp8flow", "--fp8flow.backward", "bf16"],
     "fp8flow_bf16_wgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "bf16_wgrad"],
 }
-TRAINING_RECIPES = ("bf16", "rowwise", "fp8flow")
-"""The recipes a user trains with (the e2e table's columns); the rest are ablations."""
+TRAINING_RECIPES = ("bf16", "rowwise", "fp8flow", "fp8flow_bf16_fc1_dgrad")
+"""The recipes a user trains with (each with a convergence goal); the rest are ablations."""
+E2E_RECIPES = TRAINING_RECIPES[:3]
+"""The torchtitan end-to-end table's default columns."""
 RECIPE_NAMES = {
     "bf16": "BF16",
     "rowwise": "FP8 row-wise (torchao-style)",
     "fp8flow": "FP8-Flow blockwise",
     "fp8flow_bf16_backward": "FP8-Flow forward, BF16 backward (ablation)",
     "fp8flow_bf16_wgrad": "FP8-Flow, BF16 weight gradients (ablation)",
+    "fp8flow_bf16_fc1_dgrad": "FP8-Flow, BF16 FC1 dgrad",
 }
 
 

@@ -39,10 +39,12 @@ Which half of the step a gap comes from: the ablation recipe ``fp8flow_bf16_back
 forward with its gradients computed in BF16 (``fp8flow.backward = "bf16"``; ~163 K tok/s, about BF16's
 speed, ~4 min a run); ``fp8flow_bf16_wgrad`` keeps FP8-Flow's backward but computes the weight
 gradients again in BF16 (``fp8flow.backward = "bf16_wgrad"``), splitting a backward gap between dgrads
-and wgrads. Ablations are paired with BF16 like the recipes but have no goal::
+and wgrads; ``fp8flow_bf16_fc1_dgrad`` computes only FC1's dgrad in BF16 (``"bf16_fc1_dgrad"``), splitting a
+dgrad gap between FC1's dgrad and the rest. Ablations are paired with BF16 like the recipes but have no goal::
 
     python3 benchmarks/bench_convergence.py --recipe fp8flow_bf16_backward --steps 2000
     python3 benchmarks/bench_convergence.py --recipe fp8flow_bf16_wgrad --steps 2000
+    python3 benchmarks/bench_convergence.py --recipe fp8flow_bf16_fc1_dgrad --steps 2000
 
 Cost (fp8flow_gpu, estimated): a probe is ~0.1 s a MoE layer (the fp32 reference: ~3.7 TFLOP of fp32
 matmuls), measured between the timed steps; the grad norms read the fp32 expert gradients once a
@@ -231,6 +233,8 @@ def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "peak_mem_gib": None if r["peak_mem_gib"] is None else round(r["peak_mem_gib"], 2),
             "epochs": r["corpus"]["epochs"],
         }
+        if "note" in r:  # what a run's figures do not say (e.g. an implementation since replaced)
+            row["note"] = r["note"]
         if base_name is not None:
             g = gaps(r, runs[base_name])
             row.update({k: v for k, v in g.items() if k != "heldout_gap_by_step"})
@@ -442,6 +446,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{_pct(r.get('heldout_gap_final'))} | {r['tokens_per_s']:,} | {r['speedup_vs_bf16']} | "
             f"{r['peak_mem_gib']} | {r['epochs']} | {goal} |"
         )
+    noted = [f"- {name}: {r['note']}" for name, r in doc["runs"].items() if "note" in r]
+    lines += ["", "Notes on runs:", "", *noted] if noted else []
     lines += [
         "",
         "Gaps by recipe over seeds (mean [min, max]); the bf16 row is the noise floor (other seeds vs seed 0):",

@@ -18,7 +18,8 @@ on the offline corpus, once per selected combination of
   such option, so ``on`` adds one FP8-Flow run and compares it with the same BF16 run);
 * ``--recipes bf16 rowwise fp8flow``: BF16 experts; the torchao-style FP8 row-wise baseline
   (``fp8flow.recipe = "rowwise"``: per-row scales and ``torch._scaled_grouped_mm``, since torchtitan
-  0.2.2's own ``quantize.grouped_mm.float8`` converter cannot import torchao 0.18); FP8-Flow blockwise.
+  0.2.2's own ``quantize.grouped_mm.float8`` converter cannot import torchao 0.18); FP8-Flow blockwise
+  (and, when named, ``fp8flow_bf16_fc1_dgrad``: FP8-Flow with FC1's dgrad in BF16, its own rows).
 
 Each run's median step time after ``--warmup`` steps gives tokens/s (local batch x sequence length /
 step time); peak = ``max_memory_allocated`` of the run. Runs are written one file each under
@@ -47,7 +48,16 @@ from typing import Any
 
 import torch
 from _bench import RESULTS_DIR, device_name, row, versions, write_results
-from _torchtitan import BASE_TOML, RECIPE_NAMES, TRAINING_RECIPES, common_args, recipe_args, tokens_per_s, train
+from _torchtitan import (
+    BASE_TOML,
+    E2E_RECIPES,
+    RECIPE_NAMES,
+    TRAINING_RECIPES,
+    common_args,
+    recipe_args,
+    tokens_per_s,
+    train,
+)
 
 FLAVORS = ("debugmodel", "fp8flow_gpu")
 AC_MODES = ("none", "selective", "full")
@@ -59,9 +69,14 @@ CPU_ARGS = [
 def experts_mode(recipe: str, compile_: bool, compile_experts: str) -> str | None:
     """How an FP8-Flow run with compile on runs its routed experts ("compiled" or "eager") under
     ``fp8flow.compile_experts``; None where the option does not apply (other recipes, compile off)."""
-    if recipe != "fp8flow" or not compile_:
+    if not _is_fp8flow(recipe) or not compile_:
         return None
     return "eager" if compile_experts == "off" else "compiled"  # "auto" compiles under compile.enable
+
+
+def _is_fp8flow(recipe: str) -> bool:
+    """An FP8-Flow recipe (its own routed path: recompute_experts and compile_experts apply)."""
+    return recipe.startswith("fp8flow")
 
 
 def run_name(flavor: str, compile_: bool, ac: str, recipe: str, recompute: bool, experts: str | None) -> str:
@@ -100,7 +115,7 @@ def selected_runs(args: argparse.Namespace) -> list[tuple[str, bool, str, str, b
     for flavor, c, ac, recipe, r, ce in itertools.product(
         args.flavors, args.compile, args.ac, args.recipes, args.recompute, args.compile_experts
     ):
-        if r == "on" and recipe != "fp8flow":
+        if r == "on" and not _is_fp8flow(recipe):
             continue  # only FP8-Flow has recompute_experts; its baseline is the same BF16 run
         run = (flavor, c == "on", ac, recipe, r == "on", experts_mode(recipe, c == "on", ce))
         if run not in out:  # compile_experts leaves other recipes and compile-off runs as they are
@@ -185,10 +200,11 @@ def report_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_key = {(r["flavor"], r["compile"], r["ac"], r["recipe"], r["recompute"], _experts(r) or ""): r for r in runs}
     rows = []
     for (flavor, compile_, ac, recipe, recompute, experts), ours in sorted(by_key.items()):
-        if recipe != "fp8flow":
+        if not _is_fp8flow(recipe):
             continue
         bf16, rowwise = (by_key.get((flavor, compile_, ac, name, False, "")) for name in ("bf16", "rowwise"))
-        case = f"{flavor}, compile {'on' if compile_ else 'off'}{f', experts {experts}' if experts else ''}, AC {ac}"
+        case = "" if recipe == "fp8flow" else f"{RECIPE_NAMES[recipe]}: "
+        case += f"{flavor}, compile {'on' if compile_ else 'off'}{f', experts {experts}' if experts else ''}, AC {ac}"
         case += ", recompute_experts" if recompute else ""
         rows.append(
             row(
@@ -248,7 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["auto"],
         help="fp8flow.compile_experts (FP8-Flow runs with compile on; auto = on there)",
     )
-    p.add_argument("--recipes", nargs="+", choices=TRAINING_RECIPES, default=list(TRAINING_RECIPES))
+    p.add_argument("--recipes", nargs="+", choices=TRAINING_RECIPES, default=list(E2E_RECIPES))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median (compile, allocator)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

@@ -96,13 +96,15 @@ class FP8FlowConfig(AOBaseConfig):
             transposes are byte transposes of them (:mod:`fp8flow_ao.parallel.fsdp`). Results are
             bit-identical either way. ``recipe="blockwise"`` only. Off by default until measured
             against BF16 all-gather on several GPUs (no such run yet).
-        backward: ``"fp8"`` (FP8-Flow), or an ablation for locating a loss gap to BF16, not for
-            speed: ``"bf16"``, the same FP8 forward with its gradients computed in BF16 as torchtitan
-            does, at the FP8 forward's values (a gap that stays with it comes from the forward);
-            ``"bf16_wgrad"``, FP8-Flow's backward with only the weight gradients in BF16 (splits a
-            backward gap between dgrads and wgrads). See
-            :func:`fp8flow_ao.moe.fp8flow_routed_experts`. ``recipe="blockwise"`` without
-            ``recompute_experts`` or expert parallelism only; the experts run eagerly.
+        backward: ``"fp8"`` (FP8-Flow); ``"bf16_fc1_dgrad"``, FP8-Flow with FC1's dgrad (the gradient of the
+            experts' input) in BF16: one BF16 GEMM in place of an FP8 one, for a loss curve nearer BF16's
+            (in 2000-step torchtitan runs: +0.10% where FP8-Flow has +0.66%; ``convergence.md``); works
+            with every other option. Or an ablation for locating a loss gap to BF16, not for speed:
+            ``"bf16"``, the same FP8 forward with its gradients computed in BF16 as torchtitan does, at
+            the FP8 forward's values (a gap that stays with it comes from the forward); ``"bf16_wgrad"``,
+            FP8-Flow's backward with only the weight gradients in BF16 (splits a backward gap between
+            dgrads and wgrads). See :func:`fp8flow_ao.moe.fp8flow_routed_experts`. ``recipe="blockwise"``
+            only; the ablations without ``recompute_experts`` or expert parallelism, experts eager.
     """
 
     recompute_experts: bool = False
@@ -110,7 +112,7 @@ class FP8FlowConfig(AOBaseConfig):
     module_filter: Callable[[nn.Module, str], bool] | None = None
     weight_cache: Literal["off", "forward", "step"] = "off"
     fsdp_fp8_all_gather: bool = False
-    backward: Literal["fp8", "bf16", "bf16_wgrad"] = "fp8"
+    backward: Literal["fp8", "bf16", "bf16_wgrad", "bf16_fc1_dgrad"] = "fp8"
 
     def __post_init__(self) -> None:
         if not isinstance(self.recompute_experts, bool):

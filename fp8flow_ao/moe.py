@@ -54,7 +54,12 @@ from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
 from fp8flow_ao.kernels.permute_pad import permute_pad, permute_pad_rows
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
 from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose
-from fp8flow_ao.kernels.swiglu_quant import swiglu_quant, swiglu_quant_backward, swiglu_reference
+from fp8flow_ao.kernels.swiglu_quant import (
+    swiglu_backward_reference,
+    swiglu_quant,
+    swiglu_quant_backward,
+    swiglu_reference,
+)
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 from fp8flow_ao.parallel.expert_parallel import combine, combine_probs_grad, dispatch, plan_dispatch
 from fp8flow_ao.weight_cache import (
@@ -66,9 +71,12 @@ from fp8flow_ao.weight_cache import (
 )
 
 _HP_DTYPES = (torch.bfloat16, torch.float32)
-BACKWARDS = ("fp8", "bf16", "bf16_wgrad")
-"""How the routed experts' backward runs: FP8-Flow's FP8 backward, or an ablation that takes FP8 out of all
-of it or of its weight gradients only (:func:`_grads_bf16`)."""
+BACKWARDS = ("fp8", "bf16_fc1_dgrad", "bf16", "bf16_wgrad")
+"""How the routed experts' backward runs: FP8-Flow's FP8 backward; the same with FC1's dgrad in BF16
+(:func:`_fc1_dgrad_bf16`); or an ablation (:data:`ABLATIONS`)."""
+ABLATIONS = ("bf16", "bf16_wgrad")
+"""Backwards for locating a loss gap, not for training: FP8 out of all of the backward, or out of its weight
+gradients only (:func:`_grads_bf16`). Eager only, without recompute or expert parallelism."""
 
 
 def _fc1_swiglu(
@@ -225,10 +233,13 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
     # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
     dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs, ctx.score_before)
     # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
-    if qw13 is None:
-        qw13 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w13")
-    grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, qw13.w13_t, qw13.w13_t_scale, offs, out_dtype=torch.bfloat16)
-    del qw13
+    if ctx.backward == "bf16_fc1_dgrad":
+        grad_xp = _fc1_dgrad_bf16(grad_a, h, probs_p, offs, ctx.score_before, w1, w3)
+    else:
+        if qw13 is None:
+            qw13 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w13")
+        grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, qw13.w13_t, qw13.w13_t_scale, offs, out_dtype=torch.bfloat16)
+        del qw13
     # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8. Stored as
     # [2, E, H, D], so w1's and w3's gradients are contiguous: halves of [E, 2H, D] would be strided
     # views, which autograd copies into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
@@ -258,10 +269,23 @@ def _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, 
     dyp, _ = permute_pad_rows(grad_out.to(torch.bfloat16).contiguous(), None, src_rows, ctx.rows_k)
     a = swiglu_reference(h, probs_p, offs, ctx.score_before).to(torch.bfloat16)
     grad_a_bf16, grad_w2 = _grouped_mm_vjp(a, w2, offs, dyp, with_x=every)
-    dh, grad_probs_p = _swiglu_vjp(h, probs_p, offs, ctx.score_before, grad_a_bf16 if every else grad_a)
+    *dh_halves, grad_probs_p = swiglu_backward_reference(
+        grad_a_bf16 if every else grad_a, h, probs_p, offs, ctx.score_before
+    )
+    dh = torch.cat(dh_halves, dim=1)
     x_bf16 = dequantize(xp, xp_scale, out_dtype=torch.bfloat16)
     grad_xp, grad_w13 = _grouped_mm_vjp(x_bf16, torch.cat([w1, w3], dim=1), offs, dh, with_x=every)
     return grad_xp, grad_probs_p, grad_w2.to(w2.dtype), torch.stack(grad_w13.to(w1.dtype).chunk(2, dim=1))
+
+
+def _fc1_dgrad_bf16(grad_a, h, probs_p, offs, score_before, w1, w3):
+    """``backward="bf16_fc1_dgrad"``: FC1's dgrad (grad xp ``[M, D]`` BF16) from unquantized operands, as
+    torchtitan computes it: dh by SwiGLU's fp32 backward of FP8-Flow's ``grad_a``, rounded to BF16, times the
+    BF16 weights (``dh_gate @ w1 + dh_up @ w3``: two GEMMs on dh's halves, so no ``[E, 2H, D]`` weight copy).
+    Rows past the last group are not defined (unpermute reads real rows only)."""
+    dh_gate, dh_up, _ = swiglu_backward_reference(grad_a, h, probs_p, offs, score_before)
+    grad_xp = torch._grouped_mm(dh_gate.to(torch.bfloat16), w1.detach().to(torch.bfloat16), offs=offs)
+    return grad_xp.add_(torch._grouped_mm(dh_up.to(torch.bfloat16), w3.detach().to(torch.bfloat16), offs=offs))
 
 
 def _grouped_mm_vjp(x, w, offs, grad, with_x):
@@ -274,15 +298,6 @@ def _grouped_mm_vjp(x, w, offs, grad, with_x):
         out = torch._grouped_mm(x_b, w_b.transpose(-2, -1), offs=offs)
         grads = torch.autograd.grad(out, (x_b, w_b) if with_x else (w_b,), grad.to(torch.bfloat16))
     return (grads[0], grads[1]) if with_x else (None, grads[0])
-
-
-def _swiglu_vjp(h, probs, offs, score_before, grad_a):
-    """(dh fp32 ``[M, 2H]``, d probs fp32 ``[M]``) of :func:`swiglu_reference` at FC1's output ``h`` for
-    ``grad_a`` ``[M, H]``; rows past the last group get 0."""
-    with torch.enable_grad():
-        h32 = h.detach().float().requires_grad_()
-        p32 = probs.detach().float().requires_grad_()
-        return torch.autograd.grad(swiglu_reference(h32, p32, offs, score_before), (h32, p32), grad_a.float())
 
 
 def fp8flow_routed_experts(
@@ -323,14 +338,18 @@ def fp8flow_routed_experts(
             Every rank of the group must call this together.
         score_before_experts: scale each expert's input by its score instead of its output
             (applied to FC1's output rows inside the fused SwiGLU; ``x`` is quantized unscaled).
-        backward: ``"fp8"`` (FP8-Flow), or an ablation for locating a loss gap, not for training
-            speed: ``"bf16"`` -- the same FP8 forward, its gradients computed in BF16 with no FP8 in
-            backward (:func:`_grads_bf16`; slower than BF16's own backward); ``"bf16_wgrad"`` --
-            FP8-Flow's backward with the weight gradients computed again in BF16 from unquantized
-            operands (the dgrads stay FP8). Each ablation needs
-            ``recompute_experts=False`` (it reads FC1's saved output), no ``ep_group``, and eager
-            mode (its backward runs autograd on a BF16 graph, which dynamo cannot trace; the layer's
-            ``fp8flow_compile_backend`` is ignored for it).
+        backward: ``"fp8"`` (FP8-Flow: every backward GEMM in FP8); ``"bf16_fc1_dgrad"`` -- the same with
+            FC1's dgrad (the gradient of the experts' input, which flows back to the earlier layers) in BF16
+            from the unquantized dh and the BF16 weights (:func:`_fc1_dgrad_bf16`): in 2000-step torchtitan
+            runs it brought FP8-Flow's loss gap to BF16 from +0.66% to +0.10% (``convergence.md``), for
+            one BF16 GEMM in place of an FP8 one (about 2/9 of the layer's GEMM FLOPs); it works with
+            recompute, expert parallelism and compilation. Or an ablation for locating a loss gap, not
+            for training speed: ``"bf16"`` -- the same FP8 forward, its gradients computed in BF16 with
+            no FP8 in backward (:func:`_grads_bf16`; slower than BF16's own backward); ``"bf16_wgrad"``
+            -- FP8-Flow's backward with the weight gradients computed again in BF16 from unquantized
+            operands (the dgrads stay FP8). Each ablation needs ``recompute_experts=False`` (it reads
+            FC1's saved output), no ``ep_group``, and eager mode (its backward runs autograd on a BF16
+            graph, which dynamo cannot trace; the layer's ``fp8flow_compile_backend`` is ignored for it).
 
     Returns:
         ``[T, D]`` in ``x``'s dtype. Gradients flow to ``x``, ``top_scores``, ``w1``, ``w2``, ``w3``.
@@ -378,9 +397,9 @@ def check_backward(backward: object, recompute_experts: bool, expert_parallel: b
     """Raise ``ValueError`` unless ``backward`` is one of :data:`BACKWARDS` and fits the other options."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    if backward != "fp8" and torch.compiler.is_compiling():
+    if backward in ABLATIONS and torch.compiler.is_compiling():
         raise ValueError(f"backward={backward!r} (an ablation) runs eagerly: its backward differentiates a BF16 graph")
-    if backward != "fp8" and (recompute_experts or expert_parallel):
+    if backward in ABLATIONS and (recompute_experts or expert_parallel):
         raise ValueError(
             f"backward={backward!r} (an ablation) needs recompute_experts=False and no expert parallelism: "
             "it reads FC1's saved output and the BF16 output gradient of this rank's rows"
@@ -431,7 +450,7 @@ class FP8FlowGroupedExperts:
     # A torch.compile backend for the routed path (None: eager); set by the torchtitan converter
     # (fp8flow.compile_experts), since torchtitan's apply_compile skips the experts module.
     fp8flow_compile_backend: str | None = None
-    # "fp8", or a backward ablation (BACKWARDS; fp8flow_routed_experts' backward).
+    # One of BACKWARDS (fp8flow_routed_experts' backward).
     fp8flow_backward: str = "fp8"
 
     def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
@@ -439,7 +458,7 @@ class FP8FlowGroupedExperts:
         routed = fp8flow_routed_experts
         # Inside a graph being traced already (a user compiling the layer) the path is traced with it.
         compile_ = self.fp8flow_compile_backend is not None and self.fp8flow_ep_group is None
-        compile_ = compile_ and self.fp8flow_backward == "fp8"  # the ablations' backward runs autograd
+        compile_ = compile_ and self.fp8flow_backward not in ABLATIONS  # their backward runs autograd
         if compile_ and not torch.compiler.is_compiling():
             routed = compiled_routed_experts(self.fp8flow_compile_backend)
         return routed(

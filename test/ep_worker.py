@@ -31,7 +31,13 @@ def run_routed_case(case: dict, rank: int, world: int, device: str) -> dict:
     weights = [_local_slice(case[n], rank, world).to(device).requires_grad_() for n in ("w1", "w2", "w3")]
     with FP8FlowOpCounter() as counter:
         out = fp8flow_routed_experts(
-            x, probs, indices, *weights, recompute_experts=case["recompute"], ep_group=dist.group.WORLD
+            x,
+            probs,
+            indices,
+            *weights,
+            recompute_experts=case["recompute"],
+            ep_group=dist.group.WORLD,
+            backward=case["backward"],
         )
         out.backward(_local_slice(case["grad"], rank, world).to(device))
     grads = {n: w.grad for n, w in zip(("w1", "w2", "w3"), weights, strict=True)}

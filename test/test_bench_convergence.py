@@ -152,17 +152,19 @@ def test_runs_pair_with_their_seeds_bf16_run_and_bf16_seeds_form_the_noise_floor
         "fp8flow_seed1": run("fp8flow_seed1", "fp8flow", 1, 2.2, 2.1),
         "fp8flow_seed2": run("fp8flow_seed2", "fp8flow", 2, 2.06, 2.0),
         "ablation": run("ablation", "fp8flow_bf16_backward", 0, 2.0, 2.0),
+        "fc1": run("fc1", "fp8flow_bf16_fc1_dgrad", 0, 2.0, 2.0) | {"note": "an earlier implementation"},
     }
     summary = bc.summarize(runs)
     # an FP8 run against its own seed's BF16 run; without one, against bf16; BF16 seeds against bf16
-    assert [summary[n]["baseline"] for n in runs] == [None, "bf16", "bf16", "bf16_seed1", "bf16", "bf16"]
+    assert [summary[n]["baseline"] for n in runs] == [None, "bf16", "bf16", "bf16_seed1", "bf16", "bf16", "bf16"]
     # the goal is for recipes to train with: an ablation is measured against BF16 but has none
     assert summary["fp8flow"]["meets_goal"] is False and "meets_goal" not in summary["ablation"]
+    assert summary["fc1"]["meets_goal"] is True and summary["fc1"]["note"] == "an earlier implementation"
     assert summary["fp8flow_seed1"]["train_gap_last_half"] == pytest.approx(0.0)
     assert summary["fp8flow"]["train_gap_last_half"] == pytest.approx(0.01 / 2)
     by = bc.gaps_by_recipe(summary)
     assert (
-        set(by) == {"bf16", "fp8flow", "fp8flow_bf16_backward"}
+        set(by) == {"bf16", "fp8flow", "fp8flow_bf16_backward", "fp8flow_bf16_fc1_dgrad"}
         and by["fp8flow"]["runs"] == 3
         and by["fp8flow"]["seeds"] == [0, 1, 2]
     )

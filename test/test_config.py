@@ -74,6 +74,8 @@ def test_config_fields_and_validation():
         FP8FlowConfig(backward="bf16", recompute_experts=True)
     with pytest.raises(ValueError, match="needs recipe='blockwise'"):
         FP8FlowConfig(backward="bf16", recipe="rowwise")
+    # FC1's dgrad in BF16 is a training mode: with recompute (and expert parallelism) as FP8-Flow is
+    assert FP8FlowConfig(backward="bf16_fc1_dgrad", recompute_experts=True).backward == "bf16_fc1_dgrad"
 
 
 def test_backward_ablation_reaches_the_experts():

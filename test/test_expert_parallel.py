@@ -30,7 +30,7 @@ WORLD = 2
 DIM, HIDDEN, TOKENS_PER_RANK = 256, 128, 48
 
 
-def _routed_case(seed: int, experts: int, top_k: int, route: str, recompute: bool) -> dict:
+def _routed_case(seed: int, experts: int, top_k: int, route: str, recompute: bool, backward: str = "fp8") -> dict:
     g = torch.Generator().manual_seed(seed)
     tokens = WORLD * TOKENS_PER_RANK
     scores = torch.rand(tokens, experts, generator=g)
@@ -54,12 +54,14 @@ def _routed_case(seed: int, experts: int, top_k: int, route: str, recompute: boo
         "w2": weight(experts, DIM, HIDDEN),
         "w3": weight(experts, HIDDEN, DIM),
         "recompute": recompute,
+        "backward": backward,
     }
 
 
 CASES = {
     "balanced": _routed_case(1, experts=4, top_k=2, route="balanced", recompute=False),
-    "skewed_recompute": _routed_case(2, experts=8, top_k=3, route="skewed", recompute=True),
+    # FC1's dgrad in BF16 too: its rows travel back like FP8-Flow's
+    "skewed_recompute": _routed_case(2, experts=8, top_k=3, route="skewed", recompute=True, backward="bf16_fc1_dgrad"),
     "one_rank": _routed_case(3, experts=4, top_k=2, route="one_rank", recompute=False),
 }
 _g = torch.Generator().manual_seed(5)
@@ -99,7 +101,9 @@ def _check_dcp(ranks: list[dict]) -> None:
 def _single_process_routed(case: dict, device: str) -> dict:
     x, probs = case["x"].to(device).requires_grad_(), case["probs"].to(device).requires_grad_()
     weights = [case[n].to(device).requires_grad_() for n in ("w1", "w2", "w3")]
-    out = fp8flow_routed_experts(x, probs, case["indices"].to(device), *weights, recompute_experts=case["recompute"])
+    out = fp8flow_routed_experts(
+        x, probs, case["indices"].to(device), *weights, recompute_experts=case["recompute"], backward=case["backward"]
+    )
     out.backward(case["grad"].to(device))
     grads = {n: w.grad.cpu() for n, w in zip(("w1", "w2", "w3"), weights, strict=True)}
     return {"out": out.detach().cpu(), "x": x.grad.cpu(), "probs": probs.grad.cpu()} | grads
@@ -274,15 +278,21 @@ def one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_one_rank_group_is_the_single_process_path(one_rank_group, recompute):
+@pytest.mark.parametrize(("recompute", "backward"), [(False, "fp8"), (True, "fp8"), (True, "bf16_fc1_dgrad")], ids=str)
+def test_one_rank_group_is_the_single_process_path(one_rank_group, recompute, backward):
     """EP degree 1 runs the whole dispatch machinery (on the GPU: its kernels) and changes no bit."""
-    case = _routed_case(7, experts=4, top_k=2, route="skewed", recompute=recompute)
+    case = _routed_case(7, experts=4, top_k=2, route="skewed", recompute=recompute, backward=backward)
     ref = _single_process_routed(case, DEVICE)
     x, probs = case["x"].to(DEVICE).requires_grad_(), case["probs"].to(DEVICE).requires_grad_()
     weights = [case[n].to(DEVICE).requires_grad_() for n in ("w1", "w2", "w3")]
     out = fp8flow_routed_experts(
-        x, probs, case["indices"].to(DEVICE), *weights, recompute_experts=recompute, ep_group=one_rank_group
+        x,
+        probs,
+        case["indices"].to(DEVICE),
+        *weights,
+        recompute_experts=recompute,
+        ep_group=one_rank_group,
+        backward=backward,
     )
     out.backward(case["grad"].to(DEVICE))
     got = {"out": out, "x": x.grad, "probs": probs.grad} | dict(

@@ -126,23 +126,25 @@ def test_matches_bf16_layer(runs, routing, recompute):
                 assert sqnr_db(ref[name][e], ours[name][e]) >= 22, (name, e)
 
 
-@pytest.mark.parametrize("backward", ["bf16", "bf16_wgrad"])
+@pytest.mark.parametrize("backward", ["bf16", "bf16_wgrad", "bf16_fc1_dgrad"])
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 def test_backward_ablations_keep_the_forward_and_take_fp8_out_of_their_part(runs, routing, backward):
     """The ablations run FP8-Flow's forward bit for bit. ``"bf16"``: no FP8 in backward, so every
     gradient is nearer the BF16 layer's than FP8-Flow's own (x's, whose error is mostly backward's, by
     >= 3 dB). ``"bf16_wgrad"``: the dgrads are FP8-Flow's bit for bit, the weight gradients nearer the
-    BF16 layer's. An empty expert still gets an exactly zero gradient. Both score placements."""
+    BF16 layer's. ``"bf16_fc1_dgrad"``: the weight and router gradients are FP8-Flow's bit for bit, x's
+    nearer the BF16 layer's. An empty expert still gets an exactly zero gradient. Both score placements."""
     run = runs[routing]
     ours = run_step(convert_moe_layer(copy.deepcopy(run["model"]), backward=backward), *run["inputs"])
     ref, fp8 = run["ref"], run[False]
+    fp8_part = {"bf16": (), "bf16_wgrad": ("x", "router.gate.weight"), "bf16_fc1_dgrad": PARAMS}[backward]
     assert torch.equal(ours["out"], fp8["out"])
     for name in ("x", *PARAMS):
         assert ours[name].dtype == ref[name].dtype and torch.isfinite(ours[name]).all(), name
-        if backward == "bf16_wgrad" and name in ("x", "router.gate.weight"):
+        if name in fp8_part:
             assert torch.equal(ours[name], fp8[name]), name
         else:
-            margin = 3 if name == "x" else 0
+            margin = 3 if name == "x" and backward == "bf16" else 0
             assert sqnr_db(ref[name], ours[name]) > sqnr_db(ref[name], fp8[name]) + margin, name
     for name in PARAMS[:3]:
         for e in range(ref[name].shape[0]):
@@ -181,6 +183,21 @@ def test_llama4_layer_is_converted_with_its_score_placement(runs):
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 def test_recompute_gives_bit_identical_gradients(runs, routing):
     stored, recomputed = runs[routing][False], runs[routing][True]
+    for key in ("out", "x", *PARAMS):
+        assert torch.equal(stored[key], recomputed[key]), key
+
+
+@pytest.mark.parametrize("routing", ["skewed", "llama4_skewed"])
+def test_bf16_fc1_dgrad_recomputes_bit_identically(runs, routing):
+    """FC1's dgrad in BF16 is a training mode, not an ablation: with recompute_experts the same bits."""
+    run = runs[routing]
+    stored, recomputed = (
+        run_step(
+            convert_moe_layer(copy.deepcopy(run["model"]), recompute_experts=r, backward="bf16_fc1_dgrad"),
+            *run["inputs"],
+        )
+        for r in (False, True)
+    )
     for key in ("out", "x", *PARAMS):
         assert torch.equal(stored[key], recomputed[key]), key
 
@@ -283,10 +300,12 @@ def test_recompute_matches_stored_with_fp32_weights_under_autocast(x_dtype):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("backward", ["fp8", "bf16_fc1_dgrad"])
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
-def test_routed_path_compiles_fullgraph_bit_exact(recompute, score_before):
-    """Our routed path, forward and backward, traces as one graph and matches eager bit for bit.
+def test_routed_path_compiles_fullgraph_bit_exact(recompute, score_before, backward):
+    """Our routed path, forward and backward, traces as one graph and matches eager bit for bit (FC1's
+    dgrad in FP8 or BF16).
 
     The routing is an input here: compiling the whole torchtitan layer also runs its router through
     AOT decompositions, which on a GPU may move a BF16 score by an ulp and flip a near-tie in top-k.
@@ -301,11 +320,13 @@ def test_routed_path_compiles_fullgraph_bit_exact(recompute, score_before):
 
     def step(fn):
         leaves = [t.detach().clone().requires_grad_() for t in (x, probs, weights[0], w2, weights[1])]
-        out = fn(leaves[0], leaves[1], ids, *leaves[2:], recompute_experts=recompute, score_before_experts=score_before)
+        kwargs = {"recompute_experts": recompute, "score_before_experts": score_before, "backward": backward}
+        out = fn(leaves[0], leaves[1], ids, *leaves[2:], **kwargs)
         out.backward(grad)
         return [t.grad for t in leaves]
 
     eager = step(fp8flow_routed_experts)
+    torch._dynamo.reset()  # each option combination is its own graph: keep under dynamo's recompile limit
     compiled = step(torch.compile(fp8flow_routed_experts, fullgraph=True, backend="aot_eager"))
     for name, a, b in zip(("x", "probs", "w1", "w2", "w3"), eager, compiled, strict=True):
         assert torch.equal(a, b), name
@@ -344,6 +365,22 @@ def test_compile_backend_compiles_the_routed_call_once_for_all_layers(runs):
     assert not _debug_get_cache_entry_list(type(moe.experts).forward.__code__)
     moe.compile(fullgraph=True, backend="aot_eager")  # a user compiling the layer traces the path with it
     assert torch.equal(run_step(moe, x, grad)["out"], got["out"])
+
+
+@pytest.mark.parametrize(("backward", "compiled"), [("bf16_fc1_dgrad", True), ("bf16", False)])
+def test_compile_backend_compiles_training_modes_not_ablations(runs, backward, compiled):
+    """FC1's dgrad in BF16 is compiled like FP8-Flow; an ablation's backward (autograd) stays eager."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    x, grad = runs["balanced"]["inputs"]
+    eager = run_step(convert_moe_layer(copy.deepcopy(runs["balanced"]["model"]), backward=backward), x, grad)
+    moe = convert_moe_layer(copy.deepcopy(runs["balanced"]["model"]), backward=backward)
+    moe.experts.fp8flow_compile_backend = "aot_eager"
+    got = run_step(moe, x, grad)
+    assert bool(_debug_get_cache_entry_list(fp8flow_routed_experts.__code__)) == compiled
+    for key in ("out", "x", *PARAMS):
+        assert torch.equal(got[key], eager[key]), key
 
 
 @pytest.mark.parametrize("backend", ["aot_min_cut", "inductor"])

@@ -19,6 +19,7 @@ from fp8flow_ao._format import BLOCK, dequantize_rows_reference
 from fp8flow_ao.kernels.swiglu_quant import (
     launch_swiglu_quant,
     launch_swiglu_quant_backward,
+    swiglu_backward_reference,
     swiglu_quant,
     swiglu_quant_backward,
     swiglu_quant_backward_reference,
@@ -206,6 +207,10 @@ def test_end_to_end_numerics_vs_fp64_autograd(before):
     _assert_within_e4m3(deq_rows, h64.grad, dh_scale.cpu().repeat_interleave(BLOCK, 1), "dh row-wise")
     deq_cols = _dequantize_columns(dh_t.cpu(), dh_t_scale.cpu())
     _assert_within_e4m3(deq_cols, h64.grad, dh_t_scale.cpu().repeat_interleave(BLOCK, 0), "dh column-wise")
+    # the unquantized fp32 dh (FC1's BF16 dgrad takes it): the closed form is SwiGLU's derivative
+    d_gate, d_up, _ = swiglu_backward_reference(grad_a.cpu(), h.cpu(), probs.cpu(), None, before)
+    dh32 = torch.cat([d_gate, d_up], dim=1).double()
+    assert torch.allclose(dh32, h64.grad, rtol=1e-5, atol=1e-6 * float(h64.grad.abs().max()))
     # fp32 sums of H products against fp64: error relative to the sum of magnitudes, not the (cancelling) sum
     ga64, g, u = grad_a.cpu().double(), g64.detach(), u64.detach()
     if before:  # the kernels sum t_gate * g + t_up * u: bound by both products' magnitudes

@@ -417,14 +417,16 @@ def _quantize_columns_reference(x: torch.Tensor, rows_ok: torch.Tensor) -> tuple
     return data_t, torch.where(rows_ok[::BLOCK, None], scale_t.t(), 0.0).contiguous()
 
 
-def swiglu_quant_backward_reference(
+def swiglu_backward_reference(
     grad_a: torch.Tensor,
     h: torch.Tensor,
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
     score_before_experts: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch reference of the op ``fp8flow::swiglu_quant_backward`` (``grad_probs`` empty without ``probs``)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`swiglu_reference` for ``grad_a`` ``[M, H]``, in fp32 and in closed form (the
+    kernels' formulas, operation for operation): ``dh``'s gate and up halves, each ``[M, H]`` (``dh`` is their
+    concatenation), and the probs' ``[M]`` (empty without ``probs``); 0 in rows at or past the last group end."""
     rows_ok = _rows_computed(h.shape[0], group_end_offsets, h.device)
     g, u = _gate_up_reference(h, rows_ok)
     ga = torch.where(rows_ok[:, None], grad_a.float(), 0.0)
@@ -435,16 +437,28 @@ def swiglu_quant_backward_reference(
         s = _sigmoid_reference(gp)
         dsilu = s * (1.0 + gp * (1.0 - s))
         grad_probs = (gu * (gp * (s + dsilu))).sum(dim=1)
-        dh = torch.cat([((gu * p) * dsilu) * p, (ga * (gp * s)) * p], dim=1)
-    else:
-        s = _sigmoid_reference(g)
-        t = ga * (g * s)
-        d_up, d_gate = t, ga * u
-        if probs is not None:
-            p = _probs_reference(probs, rows_ok)
-            d_up, d_gate = d_up * p, d_gate * p
-            grad_probs = (t * u).sum(dim=1)
-        dh = torch.cat([d_gate * (s * (1.0 + g * (1.0 - s))), d_up], dim=1)
+        return ((gu * p) * dsilu) * p, (ga * (gp * s)) * p, grad_probs
+    s = _sigmoid_reference(g)
+    t = ga * (g * s)
+    d_up, d_gate = t, ga * u
+    if probs is not None:
+        p = _probs_reference(probs, rows_ok)
+        d_up, d_gate = d_up * p, d_gate * p
+        grad_probs = (t * u).sum(dim=1)
+    return d_gate * (s * (1.0 + g * (1.0 - s))), d_up, grad_probs
+
+
+def swiglu_quant_backward_reference(
+    grad_a: torch.Tensor,
+    h: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    group_end_offsets: torch.Tensor | None = None,
+    score_before_experts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of the op ``fp8flow::swiglu_quant_backward`` (``grad_probs`` empty without ``probs``)."""
+    rows_ok = _rows_computed(h.shape[0], group_end_offsets, h.device)
+    d_gate, d_up, grad_probs = swiglu_backward_reference(grad_a, h, probs, group_end_offsets, score_before_experts)
+    dh = torch.cat([d_gate, d_up], dim=1)
     dh_data, dh_scale = quantize_rows_reference(dh, BLOCK)
     dh_t_data, dh_t_scale = _quantize_columns_reference(dh, rows_ok)
     return dh_data, torch.where(rows_ok[:, None], dh_scale, 0.0), dh_t_data, dh_t_scale, grad_probs
