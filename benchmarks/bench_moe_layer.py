@@ -21,7 +21,9 @@ Variants, each ``torch.compile``-d (default mode, graph breaks allowed so every 
 * ``fp8flow`` / ``fp8flow_recompute``: ``quantize_(layer, FP8FlowConfig(recompute_experts=...))``;
 * ``fp8flow_wt_forward``: ``FP8FlowConfig(weight_cache="forward")``: the forward writes the weights'
   exact transposes in the same pass and keeps them for backward (memory for speed; compiled,
-  ``weight_cache="step"`` runs as this).
+  ``weight_cache="step"`` runs as this);
+* ``fp8flow_bf16_fc1_dgrad``: ``FP8FlowConfig(backward="bf16_fc1_dgrad")``: FC1's dgrad in BF16 (the
+  loss-gap fix of ``convergence.md``), what it costs.
 
 Reported per case: median ms of forward + backward (input and output gradients, weight
 gradients) over ``--repeats`` repetitions (each itself a median of do_bench's runs), with the
@@ -34,7 +36,9 @@ and its ratio to BF16's, with and without those copies; peak memory of forward +
 the resident state. A second table (``moe_layer_stages``) splits FP8-Flow's device time by op from a torch.profiler trace: GEMMs
 are named by their shapes (FC1/FC2, forward/dgrad/wgrad); every kernel that no ``fp8flow::`` op launched
 (router, top-k, gathers, inductor-fused elementwise) is an "other: <kernel> [<launching op>]" row, the
-largest ones by name; "idle" is the timed step less the device time of every kernel.
+largest ones by name; "idle" is the timed step less the device time of every kernel. The same table
+gives the host's time to enqueue one step ("host enqueue": above the device's, the GPU waits) and, from
+cProfile, the Python functions that time goes to ("host: <function> (<file>:<line>)", own time, shares).
 
 Targets (issue 4): >= 1.6x BF16 (DeepSeek-like), >= 1.4x BF16 (Qwen-like), >= 1.3x torchao
 row-wise; activation memory <= 50% of BF16's, <= 20% with recompute. Rows carry ``target`` and
@@ -50,7 +54,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import gc
+import pstats
 import re
 import statistics
 import sys
@@ -73,8 +79,16 @@ CASES = {
     "llama4": (LLAMA4_SCOUT, 16384),
 }
 ROUTINGS = ("balanced", "skewed")
-VARIANTS = ("bf16", "fp8flow", "fp8flow_recompute", "fp8flow_wt_forward", "torchao_rowwise", "torchao_blockwise")
-OURS = ("fp8flow", "fp8flow_recompute", "fp8flow_wt_forward")
+VARIANTS = (
+    "bf16",
+    "fp8flow",
+    "fp8flow_recompute",
+    "fp8flow_wt_forward",
+    "fp8flow_bf16_fc1_dgrad",
+    "torchao_rowwise",
+    "torchao_blockwise",
+)
+OURS = ("fp8flow", "fp8flow_recompute", "fp8flow_wt_forward", "fp8flow_bf16_fc1_dgrad")
 BASELINES = {
     "bf16": "BF16 torchtitan MoE (torch.compile)",
     "torchao_rowwise": "torchao 0.18 FP8 row-wise MoE (torch.compile)",
@@ -91,6 +105,7 @@ SPEEDUP_TARGETS = {
 MEMORY_TARGETS = {"fp8flow": 0.5, "fp8flow_recompute": 0.2}
 PROFILE_ITERS = 5
 OTHER_NAMED = 12  # kernels outside our ops named one by one in the stage table
+HOST_NAMED = 15  # Python functions named in the host profile
 
 
 class Block(nn.Module):
@@ -186,8 +201,14 @@ def convert(block: Block, variant: str) -> Block:
     elif variant in OURS:
         from fp8flow_ao.config import FP8FlowConfig
 
-        weight_cache = "forward" if variant == "fp8flow_wt_forward" else "off"
-        quantize_(block, FP8FlowConfig(recompute_experts=variant == "fp8flow_recompute", weight_cache=weight_cache))
+        quantize_(
+            block,
+            FP8FlowConfig(
+                recompute_experts=variant == "fp8flow_recompute",
+                weight_cache="forward" if variant == "fp8flow_wt_forward" else "off",
+                backward="bf16_fc1_dgrad" if variant == "fp8flow_bf16_fc1_dgrad" else "fp8",
+            ),
+        )
     return block
 
 
@@ -328,7 +349,34 @@ def stage_breakdown(
     per_step.update({f"other: {name}": us / PROFILE_ITERS for name, us in other.items()})
     kernel_us = sum(k.device_time_total for k in kernels) / PROFILE_ITERS
     per_step["idle (timed step less every kernel of the profiled steps)"] = step_us - kernel_us
-    return dict(sorted(per_step.items(), key=lambda kv: -kv[1])), host_us
+    return dict(sorted(per_step.items(), key=lambda kv: -kv[1])), host_us, host_profile(step, x, dy)
+
+
+def _short_path(file: str) -> str:
+    """A source path from its package root (``torch/...``, ``fp8flow_ao/...``); builtins keep their ``~``."""
+    return re.sub(r".*/(?:site-packages|site)/|.*/(?=fp8flow_ao/)", "", file)
+
+
+def host_profile(
+    step: Callable[[torch.Tensor, torch.Tensor], None], x: torch.Tensor, dy: torch.Tensor
+) -> dict[str, float]:
+    """Where the host's time to enqueue a step goes: cProfile's own time (``tottime``) per step of the
+    ``HOST_NAMED`` costliest functions, in microseconds, and the rest as one entry. The profiler slows every
+    Python call, so these add up to more than the unprofiled enqueue time: read them as shares."""
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(PROFILE_ITERS):
+        step(x, dy)
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, primitive calls, tottime, cumtime, ...)
+    by_fn = sorted(((v[2], k) for k, v in stats.items()), reverse=True)
+    named = {
+        f"{fn} ({_short_path(file)}:{line})": 1e6 * t / PROFILE_ITERS for t, (file, line, fn) in by_fn[:HOST_NAMED]
+    }
+    rest = sum(t for t, _ in by_fn[HOST_NAMED:])
+    return named | {f"{len(by_fn) - HOST_NAMED} other functions": 1e6 * rest / PROFILE_ITERS}
 
 
 def _device_kernels(events) -> list:
@@ -431,7 +479,9 @@ def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> lis
         case.results[kind, variant] = measure(compiled, case.inputs, repeats)
         if variant in OURS and kind == "balanced":
             try:
-                stages, host_us = stage_breakdown(compiled, case.inputs, case.shape, case.results[kind, variant].us)
+                stages, host_us, host_fns = stage_breakdown(
+                    compiled, case.inputs, case.shape, case.results[kind, variant].us
+                )
             except Exception:  # the profile is diagnostic: its failure must not drop the timings
                 traceback.print_exc()
                 notes.append(f"{case.name}/{variant}: stage breakdown failed (traceback in the log).")
@@ -458,6 +508,18 @@ def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> lis
                     share_pct=None,
                 )
             )
+            host_total = sum(host_fns.values())
+            stage_rows += [
+                row(
+                    f"{case.shape.name} T={case.tokens} {kind} {variant}",
+                    us,
+                    "host time per step by Python function (cProfile tottime; profiled, so read as shares)",
+                    None,
+                    stage=f"host: {fn}",
+                    share_pct=round(100 * us / host_total, 1),
+                )
+                for fn, us in host_fns.items()
+            ]
     return stage_rows
 
 
