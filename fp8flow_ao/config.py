@@ -99,7 +99,8 @@ class FP8FlowConfig(AOBaseConfig):
         backward: ``"fp8"`` (FP8-Flow); ``"bf16_fc1_dgrad"``, FP8-Flow with FC1's dgrad (the gradient of the
             experts' input) in BF16: one BF16 GEMM in place of an FP8 one, for a loss curve nearer BF16's
             (in 2000-step torchtitan runs: +0.10% where FP8-Flow has +0.66%; ``convergence.md``); works
-            with every other option. Or an ablation for locating a loss gap to BF16, not for speed:
+            with every other option but ``fsdp_fp8_all_gather`` (it needs the BF16 weights). Or an
+            ablation for locating a loss gap to BF16, not for speed:
             ``"bf16"``, the same FP8 forward with its gradients computed in BF16 as torchtitan does, at
             the FP8 forward's values (a gap that stays with it comes from the forward); ``"bf16_wgrad"``,
             FP8-Flow's backward with only the weight gradients in BF16 (splits a backward gap between
@@ -130,7 +131,7 @@ class FP8FlowConfig(AOBaseConfig):
             raise ValueError("fsdp_fp8_all_gather=True needs recipe='blockwise' (the rowwise baseline gathers BF16)")
         if self.module_filter is not None and not callable(self.module_filter):
             raise TypeError(f"module_filter must be callable (module, fqn) -> bool, got {self.module_filter!r}")
-        check_backward(self.backward, self.recompute_experts, False)
+        check_backward(self.backward, self.recompute_experts, False, self.fsdp_fp8_all_gather)
         if self.backward != "fp8" and self.recipe != "blockwise":
             raise ValueError(f"backward={self.backward!r} needs recipe='blockwise' (the fused FP8-Flow path)")
 

@@ -239,7 +239,7 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
         if qw13 is None:
             qw13 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w13")
         grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, qw13.w13_t, qw13.w13_t_scale, offs, out_dtype=torch.bfloat16)
-        del qw13
+    del qw13  # (recompute's W13 too, in the BF16 mode) no FP8 weight copy alive while the wgrads are written
     # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8. Stored as
     # [2, E, H, D], so w1's and w3's gradients are contiguous: halves of [E, 2H, D] would be strided
     # views, which autograd copies into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
@@ -393,10 +393,17 @@ def fp8flow_routed_experts(
     )
 
 
-def check_backward(backward: object, recompute_experts: bool, expert_parallel: bool) -> None:
+def check_backward(
+    backward: object, recompute_experts: bool, expert_parallel: bool, fsdp_fp8_all_gather: bool = False
+) -> None:
     """Raise ``ValueError`` unless ``backward`` is one of :data:`BACKWARDS` and fits the other options."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    if backward != "fp8" and fsdp_fp8_all_gather:
+        raise ValueError(
+            f"backward={backward!r} multiplies by the BF16 expert weights, which fsdp_fp8_all_gather=True "
+            "does not gather (it gathers FP8 tiles): use one or the other"
+        )
     if backward in ABLATIONS and torch.compiler.is_compiling():
         raise ValueError(f"backward={backward!r} (an ablation) runs eagerly: its backward differentiates a BF16 graph")
     if backward in ABLATIONS and (recompute_experts or expert_parallel):
@@ -569,7 +576,7 @@ def convert_moe_layer(
     """
     check_moe_layer(module, fqn)
     check_weight_cache_mode(weight_cache)
-    check_backward(backward, recompute_experts, False)
+    check_backward(backward, recompute_experts, False, fsdp_fp8_all_gather)
     if "torchtitan" in sys.modules:  # its expert_parallel_degree must dispatch this layer in FP8
         from fp8flow_ao.torchtitan.expert_parallel import install
 

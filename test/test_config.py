@@ -76,6 +76,8 @@ def test_config_fields_and_validation():
         FP8FlowConfig(backward="bf16", recipe="rowwise")
     # FC1's dgrad in BF16 is a training mode: with recompute (and expert parallelism) as FP8-Flow is
     assert FP8FlowConfig(backward="bf16_fc1_dgrad", recompute_experts=True).backward == "bf16_fc1_dgrad"
+    with pytest.raises(ValueError, match="does not gather"):  # FSDP's FP8 all-gather leaves no BF16 weights
+        FP8FlowConfig(backward="bf16_fc1_dgrad", fsdp_fp8_all_gather=True)
 
 
 def test_backward_ablation_reaches_the_experts():

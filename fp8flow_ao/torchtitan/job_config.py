@@ -53,7 +53,8 @@ class FP8Flow:
 
     backward: Literal["fp8", "bf16", "bf16_wgrad", "bf16_fc1_dgrad"] = "fp8"
     """"fp8" (FP8-Flow); "bf16_fc1_dgrad", FP8-Flow with FC1's dgrad in BF16 (a loss curve nearer BF16's for one
-    BF16 GEMM; works with every other option); or an ablation that tells where a loss gap to BF16 comes from:
+    BF16 GEMM; works with every other option but fsdp_fp8_all_gather); or an ablation that tells where a loss
+    gap to BF16 comes from:
     "bf16" computes the gradients of the same FP8 forward in BF16 (forward or backward?), "bf16_wgrad" only
     the weight gradients (dgrads or wgrads?); ablations are slower than BF16, run the experts eagerly, and
     refuse ``recompute_experts`` and expert parallelism. See fp8flow_ao.config.FP8FlowConfig."""
