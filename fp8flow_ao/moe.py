@@ -206,7 +206,8 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
     # The weights' exact transposes for the dgrads (and W13 itself when recomputing FC1): kept from
     # forward, or quantized again from the same weights (the same bits), each right before its dgrad
     # and dropped after it, so no FP8 weight copy is alive while the weight gradients are written.
-    qw13 = weights_for_backward(kept, w1, w2, w3, True, "w13") if ctx.recompute else None
+    fp8_fc1_dgrad = ctx.backward != "bf16_fc1_dgrad"
+    qw13 = weights_for_backward(kept, w1, w2, w3, True, "w13", transpose=fp8_fc1_dgrad) if ctx.recompute else None
     if ctx.recompute:
         h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw13.w13, qw13.w13_scale, probs_p, offs, ctx.score_before)
     else:
@@ -233,7 +234,7 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
     # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
     dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs, ctx.score_before)
     # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
-    if ctx.backward == "bf16_fc1_dgrad":
+    if not fp8_fc1_dgrad:
         grad_xp = _fc1_dgrad_bf16(grad_a, h, probs_p, offs, ctx.score_before, w1, w3)
     else:
         if qw13 is None:

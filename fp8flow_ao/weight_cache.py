@@ -263,15 +263,24 @@ def split_kept(saved: Sequence[torch.Tensor | None]) -> tuple[ExpertWeightsFP8, 
 
 
 def weights_for_backward(
-    kept: ExpertWeightsFP8, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, recompute: bool, weight: str
+    kept: ExpertWeightsFP8,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    recompute: bool,
+    weight: str,
+    transpose: bool = True,
 ) -> ExpertWeightsFP8:
     """The FP8 weights one backward GEMM needs: what forward kept, or (``"off"``) the transpose quantized
     again from the same weights -- the same bits. ``weight`` is ``"w2"`` (FC2 dgrad's ``w2^T``) or
-    ``"w13"`` (FC1 dgrad's ``W13^T``, plus W13 itself when FC1 is recomputed). One at a time, so the
-    layer can drop each transpose after its GEMM, before the weight gradients are written."""
+    ``"w13"`` (FC1 dgrad's ``W13^T``, plus W13 itself when FC1 is recomputed; ``transpose=False``: W13
+    only, for a FC1 dgrad that does not run in FP8). One at a time, so the layer can drop each transpose
+    after its GEMM, before the weight gradients are written."""
     if kept.w13_t is not None:
         return kept
     if weight not in ("w2", "w13"):
         raise ValueError(f"weight must be 'w2' or 'w13', got {weight!r}")
     w13 = weight == "w13"
-    return quantize_expert_weights(w1, w2, w3, w13 and recompute, False, with_w13_t=w13, with_w2_t=not w13)
+    return quantize_expert_weights(
+        w1, w2, w3, w13 and recompute, False, with_w13_t=w13 and transpose, with_w2_t=not w13
+    )

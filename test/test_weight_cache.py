@@ -19,7 +19,13 @@ from torch.utils.checkpoint import checkpoint
 from fp8flow_ao.config import FP8FlowConfig
 from fp8flow_ao.debug import FP8FlowOpCounter
 from fp8flow_ao.moe import fp8flow_routed_experts
-from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE, WEIGHT_CACHE_MODES, FP8WeightCache
+from fp8flow_ao.weight_cache import (
+    EXPERT_WEIGHT_CACHE,
+    NOTHING,
+    WEIGHT_CACHE_MODES,
+    FP8WeightCache,
+    weights_for_backward,
+)
 
 TOKENS, DIM, HIDDEN, EXPERTS, TOP_K = 128, 256, 128, 4, 2
 
@@ -184,6 +190,19 @@ def test_modes_are_bit_identical_and_quantize_as_promised(recompute):
     # per micro-batch: "off" W13 + w2 in forward and again in backward; "forward" both in one pass each;
     # "step" once for both micro-batches (the second is a cache hit)
     assert counts == {"off": 8, "forward": 4, "step": 2}
+
+
+def test_backward_quantizes_only_what_its_gemms_read():
+    """FC1 recomputed with its dgrad in FP8: W13 and W13^T; with that dgrad in BF16: W13 alone (no unused
+    transpose pass); FC2's dgrad: w2^T alone. The tiles are the same bits either way."""
+    w1, w3 = (torch.randn(2, 128, 256, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    w2 = torch.randn(2, 256, 128, device=DEVICE, dtype=torch.bfloat16)
+    both = weights_for_backward(NOTHING, w1, w2, w3, True, "w13")
+    data_only = weights_for_backward(NOTHING, w1, w2, w3, True, "w13", transpose=False)
+    assert both.w13_t is not None and data_only.w13_t is None and data_only.w2_t is None
+    assert torch.equal(both.w13, data_only.w13) and torch.equal(both.w13_scale, data_only.w13_scale)
+    fc2 = weights_for_backward(NOTHING, w1, w2, w3, True, "w2")
+    assert fc2.w2_t is not None and fc2.w13 is None and fc2.w13_t is None
 
 
 def test_step_cache_follows_weight_updates_between_micro_batches():
