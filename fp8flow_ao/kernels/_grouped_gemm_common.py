@@ -72,9 +72,14 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device, the current one for a bare ``cuda``."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(cuda_index(device))
 
 
 def persistent_grid(device: torch.device, tiles_of: Callable[[dict[str, Any]], int]) -> Callable:

@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp8flow_ao._format import BLOCK
+from fp8flow_ao.kernels._grouped_gemm_common import cuda_index
 
 # Rows of the tile each consumer warpgroup owns: one m64 wgmma row block.
 WG_ROWS = gl.constexpr(64)
@@ -133,7 +134,13 @@ def sm90_store(out_desc, out_s, tile, row, col):
 
 def sm90_supported(device: torch.device) -> bool:
     """True on a Hopper GPU (compute capability 9.x), where the sm90 kernels' wgmma exists."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return device.type == "cuda" and _is_hopper(cuda_index(device))
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    # Cached: asked on every grouped GEMM launch, and torch's query is Python on a host-bound step.
+    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def sm90_or(sm90_launcher: Callable[..., Any], other_launcher: Callable[..., Any]) -> Callable[..., Any]:

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from fp8flow_ao._checks import check_contiguous, check_fp8, check_same_device, check_shape, check_tensor
 from fp8flow_ao._format import BLOCK, dequantize_rows_reference
+from fp8flow_ao.kernels._registry import define_op
 
 LAYOUTS = ("rowwise", "colwise", "128x128")
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -115,7 +116,7 @@ def dequantize_reference(
     return dequantize_rows_reference(data, row_scales, BLOCK, out_dtype)
 
 
-@torch.library.custom_op("fp8flow::dequantize", mutates_args=())
+@define_op("dequantize")
 def _dequantize_op(data: torch.Tensor, scale_inv: torch.Tensor, layout: str, out_dtype: torch.dtype) -> torch.Tensor:
     return dequantize_reference(data, scale_inv, layout, out_dtype)
 

@@ -58,6 +58,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     set_tma_workspace_allocator,
     sm_count,
 )
+from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._sm90_common import (
     SM90_BLOCK,
     WG_ROWS,
@@ -484,7 +485,7 @@ def grouped_gemm_fp8_blockwise_reference(
     return out.to(out_dtype)
 
 
-@torch.library.custom_op("fp8flow::grouped_gemm_fp8_blockwise", mutates_args=())
+@define_op("grouped_gemm_fp8_blockwise")
 def _grouped_gemm_fp8_blockwise_op(
     a: torch.Tensor,
     a_scale: torch.Tensor,

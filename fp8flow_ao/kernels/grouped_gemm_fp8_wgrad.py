@@ -66,6 +66,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     set_tma_workspace_allocator,
     sm_count,
 )
+from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._sm90_common import (
     SM90_BLOCK,
     WG_ROWS,
@@ -551,7 +552,7 @@ def grouped_gemm_fp8_wgrad_reference(
     return total.to(out_dtype)
 
 
-@torch.library.custom_op("fp8flow::grouped_gemm_fp8_wgrad", mutates_args=())
+@define_op("grouped_gemm_fp8_wgrad")
 def _grouped_gemm_fp8_wgrad_op(
     a_t: torch.Tensor,
     a_t_scale: torch.Tensor,
@@ -586,6 +587,7 @@ def _(
     return a_t.new_empty(shape, dtype=out_dtype)
 
 
+# A custom_op, not define_op: it writes into accumulate_into, whose version counter custom_op bumps.
 @torch.library.custom_op("fp8flow::grouped_gemm_fp8_wgrad_accumulate", mutates_args=("accumulate_into",))
 def _grouped_gemm_fp8_wgrad_accumulate_op(
     a_t: torch.Tensor,

@@ -41,6 +41,7 @@ from fp8flow_ao._checks import (
     validation_enabled,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE
+from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import col_block
 
 # Importing it also registers fp8flow::unpermute_unpad, which is the backward of the gather here.
@@ -206,7 +207,7 @@ def route_pad_reference(
     return probs_out, src_rows, dst_rows, group_ends.to(torch.int32)
 
 
-@torch.library.custom_op("fp8flow::route_pad", mutates_args=())
+@define_op("route_pad")
 def _route_pad_op(
     expert_indices: torch.Tensor, num_experts: int, probs: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -408,7 +409,7 @@ def _register_permute_pad_rows(name: str):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return permute_pad_rows_reference(x, x_scale, src_rows, top_k)
 
-    op = torch.library.custom_op(f"fp8flow::{name}", gather, mutates_args=())
+    op = define_op(name)(gather)
     op.register_kernel("cuda")(launch_permute_pad_rows)
     op.register_fake(_permute_pad_rows_fake)
     op.register_autograd(_backward, setup_context=_setup_context)

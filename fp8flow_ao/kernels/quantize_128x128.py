@@ -28,6 +28,7 @@ import triton.language as tl
 
 from fp8flow_ao._checks import check_contiguous, check_multiple, check_same_device, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import nan_free_abs, pow2_scale_inv_and_scale
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -201,7 +202,7 @@ def quantize_128x128_reference(
     return (*((data, scale_inv) if with_data else empty), *((data_t, scale_inv_t) if with_transpose else empty))
 
 
-@torch.library.custom_op("fp8flow::quantize_128x128", mutates_args=())
+@define_op("quantize_128x128")
 def _quantize_128x128_op(
     w: torch.Tensor, with_transpose: bool, with_data: bool, w_tail: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

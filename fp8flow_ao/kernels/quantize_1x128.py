@@ -17,6 +17,7 @@ import triton.language as tl
 
 from fp8flow_ao._checks import check_row_major, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import nan_free_abs, pow2_scale_inv_and_scale
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -94,7 +95,7 @@ def quantize_1x128_reference(x: torch.Tensor, block_k: int | None = BLOCK) -> tu
     return quantize_rows_reference(x, _block_width(x.shape[-1], block_k))
 
 
-@torch.library.custom_op("fp8flow::quantize_1x128", mutates_args=())
+@define_op("quantize_1x128")
 def _quantize_1x128_op(x: torch.Tensor, block_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_1x128_reference(x, block_k)
 

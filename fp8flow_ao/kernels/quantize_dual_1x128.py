@@ -25,6 +25,7 @@ import triton.language as tl
 
 from fp8flow_ao._checks import check_group_end_offsets, check_multiple, check_row_major, check_same_device, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -163,7 +164,7 @@ def quantize_dual_1x128_reference(
     return row_data, row_scale, col_data, col_scale
 
 
-@torch.library.custom_op("fp8flow::quantize_dual_1x128", mutates_args=())
+@define_op("quantize_dual_1x128")
 def _quantize_dual_1x128_op(
     g: torch.Tensor, group_end_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -39,6 +39,7 @@ from fp8flow_ao._checks import (
     check_tensor,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, cast_to_fp8, dequantize_rows_reference, quantize_rows_reference
+from fp8flow_ao.kernels._registry import define_op
 
 # Any shift >= 19 sends every E4M3 value (|x| <= 448 < 2**9) below half the smallest subnormal
 # (2**-10), so it rounds to +-0. Capping the shift at 24 changes no result and keeps 2**-shift
@@ -306,7 +307,7 @@ def dequantize_transpose_requantize_reference(
     return data_t, scale_t.t().contiguous()
 
 
-@torch.library.custom_op("fp8flow::scaling_aware_transpose", mutates_args=())
+@define_op("scaling_aware_transpose")
 def _scaling_aware_transpose_op(
     data: torch.Tensor, scale_inv: torch.Tensor, group_end_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,6 +71,7 @@ from fp8flow_ao._checks import (
     check_tensor,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
 
 
@@ -464,7 +465,7 @@ def swiglu_quant_backward_reference(
     return dh_data, torch.where(rows_ok[:, None], dh_scale, 0.0), dh_t_data, dh_t_scale, grad_probs
 
 
-@torch.library.custom_op("fp8flow::swiglu_quant", mutates_args=())
+@define_op("swiglu_quant")
 def _swiglu_quant_op(
     h: torch.Tensor,
     probs: torch.Tensor | None,
@@ -488,7 +489,7 @@ def _(
     return h.new_empty((m, two_h // 2), dtype=FP8_DTYPE), h.new_empty((m, two_h // 2 // BLOCK), dtype=torch.float32)
 
 
-@torch.library.custom_op("fp8flow::swiglu_quant_backward", mutates_args=())
+@define_op("swiglu_quant_backward")
 def _swiglu_quant_backward_op(
     grad_a: torch.Tensor,
     h: torch.Tensor,

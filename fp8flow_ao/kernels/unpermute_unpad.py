@@ -31,6 +31,7 @@ from fp8flow_ao._checks import (
     validate_index_range,
     validation_enabled,
 )
+from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import col_block
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -266,7 +267,7 @@ def unpermute_unpad_backward_reference(
     return g_rows.to(grad_out.dtype), grad_probs
 
 
-@torch.library.custom_op("fp8flow::unpermute_unpad_backward", mutates_args=())
+@define_op("unpermute_unpad_backward")
 def _unpermute_unpad_backward_op(
     grad_out: torch.Tensor,
     y: torch.Tensor | None,
@@ -287,7 +288,7 @@ def _(grad_out, y, src_rows, dst_rows, probs, top_k):
     return grad_y, _empty_grad_probs(grad_out, y, top_k)
 
 
-@torch.library.custom_op("fp8flow::unpermute_unpad", mutates_args=())
+@define_op("unpermute_unpad")
 def _unpermute_unpad_op(
     y: torch.Tensor, dst_rows: torch.Tensor, top_k: int, probs: torch.Tensor | None
 ) -> torch.Tensor:

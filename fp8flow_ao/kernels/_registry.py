@@ -1,0 +1,67 @@
+"""Registration of the ``fp8flow::`` ops with the dispatcher, lean on the host.
+
+``torch.library.custom_op`` puts six Python frames between a call and the kernel: an autograd kernel
+(``autograd_impl`` -> ``forward_no_grad`` -> ``redispatch``, even for ops with no gradient), then
+``backend_impl``, a ``torch._disable_dynamo`` wrapper and its eval-frame guard. The compiled MoE layer
+is host-bound at the Qwen-like shape (23 op calls per forward + backward), so :func:`define_op` makes the
+same op -- schema inferred from the Python signature, default kernel, device kernel, fake, optional
+autograd formula -- with plain :class:`torch.library.Library` calls, and the dispatcher calls the kernel
+directly. Measured: 21 us against 7.6 us per call of a trivial op (CPU, torch 2.13, hot loop); in the
+compiled layer on an H200 the step's host time moved less than its own run-to-run spread (+-20%).
+
+What the lean path leaves out, and why that is safe here: no autograd kernel unless one is given (ops
+without a formula run inside the FP8-Flow autograd Functions, whose forward disables grad, or in
+compiled graphs, where autograd is traced around them; called on inputs that require grad, torch's
+autograd fallback makes ``backward`` fail through them, as ``custom_op`` does), and no version-counter
+bump of mutated inputs, so the one op that writes into an argument
+(``grouped_gemm_fp8_wgrad_accumulate``) stays a ``custom_op``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+NAMESPACE = "fp8flow"
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+
+class LeanOp:
+    """An ``fp8flow::<name>`` op defined by :func:`define_op`; registers kernels like ``CustomOpDef``."""
+
+    def __init__(self, name: str, default: Callable[..., Any]):
+        self.qualname = f"{NAMESPACE}::{name}"
+        self._name = name
+        _LIB.define(name + torch.library.infer_schema(default, mutates_args=()))
+        # The default kernel serves every device without its own (the CPU path), as in custom_op.
+        _LIB.impl(name, default, "CompositeExplicitAutograd")
+
+    def register_kernel(self, device_type: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: ``fn`` is the op's kernel on ``device_type`` (e.g. ``"cuda"``)."""
+
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            _LIB.impl(self._name, fn, torch._C._dispatch_key_for_device(device_type))
+            return fn
+
+        return register
+
+    def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: ``fn`` gives the op's outputs as empty tensors of the right metadata."""
+        torch.library.register_fake(self.qualname, fn, lib=_LIB)
+        return fn
+
+    def register_autograd(self, backward: Callable[..., Any], *, setup_context: Callable[..., Any]) -> None:
+        """The op's gradient formula (:func:`torch.library.register_autograd`)."""
+        torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=_LIB)
+
+
+def define_op(name: str) -> Callable[[Callable[..., Any]], LeanOp]:
+    """Decorator: define ``fp8flow::<name>`` with the decorated function as its schema (type hints) and
+    default kernel; returns a :class:`LeanOp` to register the device kernel, fake and autograd on."""
+
+    def define(default: Callable[..., Any]) -> LeanOp:
+        return LeanOp(name, default)
+
+    return define
