@@ -37,8 +37,10 @@ the resident state. A second table (``moe_layer_stages``) splits FP8-Flow's devi
 are named by their shapes (FC1/FC2, forward/dgrad/wgrad); every kernel that no ``fp8flow::`` op launched
 (router, top-k, gathers, inductor-fused elementwise) is an "other: <kernel> [<launching op>]" row, the
 largest ones by name; "idle" is the timed step less the device time of every kernel. The same table
-gives the host's time to enqueue one step ("host enqueue": above the device's, the GPU waits) and, from
-cProfile, the Python functions that time goes to ("host: <function> (<file>:<line>)", own time, shares).
+gives the host's time to enqueue one step and the device's time to run one, each measured apart with the
+GPU held busy ("host enqueue", "device, steps back to back": host above device means host-bound, the step
+then follows the host CPU's speed) and, from cProfile, the Python functions the host's time goes to
+("host: <function> (<file>:<line>)", own time, shares).
 
 Targets (issue 4): >= 1.6x BF16 (DeepSeek-like), >= 1.4x BF16 (Qwen-like), >= 1.3x torchao
 row-wise; activation memory <= 50% of BF16's, <= 20% with recompute. Rows carry ``target`` and
@@ -104,6 +106,8 @@ SPEEDUP_TARGETS = {
 # activation memory / BF16's; fp8flow_wt_forward trades memory (its FP8 weight transposes) for speed
 MEMORY_TARGETS = {"fp8flow": 0.5, "fp8flow_recompute": 0.2}
 PROFILE_ITERS = 5
+# ~1.5 s of GPU sleep at Hopper clocks: longer than the host needs to enqueue PROFILE_ITERS steps of any case.
+SLEEP_CYCLES = 3_000_000_000
 OTHER_NAMED = 12  # kernels outside our ops named one by one in the stage table
 HOST_NAMED = 15  # Python functions named in the host profile
 
@@ -303,11 +307,11 @@ def _gemm_label(name: str, shapes: list, shape: MoEShape) -> str:
 
 def stage_breakdown(
     block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], shape: MoEShape, step_us: float
-) -> tuple[dict[str, float], float]:
+) -> tuple[dict[str, float], float, float, dict[str, float]]:
     """Device microseconds per forward + backward by ``fp8flow::`` op (outermost calls only), by kernel
     for the rest ("other: ..."), and "idle": the timed step (``step_us``, CUDA events) less the device
     time of every kernel (each device event counted once, deduplicated by name and start time);
-    and the host's microseconds to enqueue one step.
+    and the host's and the device's microseconds per step (:func:`host_and_device_us`).
 
     Kernels are charged to the op that launched them (the profiler's correlation). Should the trace
     link no kernel to an op, Triton kernels are named by their function instead (``_<op>_kernel``).
@@ -319,13 +323,7 @@ def stage_breakdown(
     x, dy = inputs[0]
     for _ in range(3):
         step(x, dy)
-    torch.cuda.synchronize()
-    # Host time to enqueue a step: above the device time, the GPU waits for the host ("idle" below).
-    start = time.perf_counter()
-    for _ in range(PROFILE_ITERS):
-        step(x, dy)
-    host_us = 1e6 * (time.perf_counter() - start) / PROFILE_ITERS
-    torch.cuda.synchronize()
+    host_us, device_us = host_and_device_us(step, x, dy)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(PROFILE_ITERS):
             step(x, dy)
@@ -349,7 +347,28 @@ def stage_breakdown(
     per_step.update({f"other: {name}": us / PROFILE_ITERS for name, us in other.items()})
     kernel_us = sum(k.device_time_total for k in kernels) / PROFILE_ITERS
     per_step["idle (timed step less every kernel of the profiled steps)"] = step_us - kernel_us
-    return dict(sorted(per_step.items(), key=lambda kv: -kv[1])), host_us, host_profile(step, x, dy)
+    return dict(sorted(per_step.items(), key=lambda kv: -kv[1])), host_us, device_us, host_profile(step, x, dy)
+
+
+def host_and_device_us(
+    step: Callable[[torch.Tensor, torch.Tensor], None], x: torch.Tensor, dy: torch.Tensor
+) -> tuple[float, float]:
+    """The host's and the device's microseconds per step, measured apart: a sleep kernel queued first keeps
+    the GPU busy while the host enqueues ``PROFILE_ITERS`` steps, so no launch waits on the device (the
+    host time is its own) and the steps then run back to back (the device time has no gaps for the host).
+    Timing a step end to end gives the larger of the two; when the host's is the larger, the step is
+    host-bound and its time follows the host CPU's speed."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(PROFILE_ITERS):
+        step(x, dy)
+    host_us = 1e6 * (time.perf_counter() - t0) / PROFILE_ITERS
+    end.record()
+    torch.cuda.synchronize()
+    return host_us, 1e3 * start.elapsed_time(end) / PROFILE_ITERS
 
 
 def _short_path(file: str) -> str:
@@ -479,7 +498,7 @@ def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> lis
         case.results[kind, variant] = measure(compiled, case.inputs, repeats)
         if variant in OURS and kind == "balanced":
             try:
-                stages, host_us, host_fns = stage_breakdown(
+                stages, host_us, device_us, host_fns = stage_breakdown(
                     compiled, case.inputs, case.shape, case.results[kind, variant].us
                 )
             except Exception:  # the profile is diagnostic: its failure must not drop the timings
@@ -498,16 +517,17 @@ def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> lis
                 )
                 for name, us in stages.items()
             ]
-            stage_rows.append(
+            stage_rows += [
                 row(
                     f"{case.shape.name} T={case.tokens} {kind} {variant}",
-                    host_us,
-                    "host CPU time to enqueue one step (not device time)",
+                    us,
+                    "per step, measured apart with the GPU held busy (host > device: host-bound)",
                     None,
-                    stage="host enqueue",
+                    stage=stage,
                     share_pct=None,
                 )
-            )
+                for stage, us in (("host enqueue", host_us), ("device, steps back to back", device_us))
+            ]
             host_total = sum(host_fns.values())
             stage_rows += [
                 row(
