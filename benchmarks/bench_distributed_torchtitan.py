@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,15 +160,34 @@ def copy_step(src_dump: Path, step: int, dst_dump: Path) -> Path:
     return src
 
 
-def run_plan(runs: list[RunSpec], gpus: int, work: Path) -> dict:
+def run_plan(
+    runs: list[RunSpec],
+    gpus: int,
+    work: Path,
+    budget_s: float = float("inf"),
+    on_record: Callable[[dict], object] | None = None,
+) -> dict:
+    """Launch ``runs`` in order; ``on_record(records)`` after each, so a killed command keeps what ran.
+
+    A run whose dependency failed is recorded as skipped. Once ``budget_s`` seconds have passed, or the
+    longest launch so far would end past it, the remaining runs are recorded as skipped, not launched.
+    """
     records: dict = {}
+    start, longest = time.monotonic(), 0.0
     for spec in runs:
+        elapsed = time.monotonic() - start
         if spec.needs is not None and records.get(spec.needs, {}).get("failed", spec.needs not in records):
             records[spec.name] = {"failed": True, "returncode": None, "skipped_because": f"{spec.needs} failed"}
-            continue
-        if spec.prepare is not None:
-            spec.prepare()
-        launch(spec, gpus, work, records)
+        elif elapsed + longest > budget_s:
+            records[spec.name] = {"failed": True, "returncode": None, "skipped_because": "over --budget-s"}
+            print(f"=== {spec.name}: skipped, {elapsed:.0f} s of the {budget_s:.0f} s budget spent", flush=True)
+        else:
+            if spec.prepare is not None:
+                spec.prepare()
+            launch(spec, gpus, work, records)
+            longest = max(longest, time.monotonic() - start - elapsed)
+        if on_record is not None:
+            on_record(records)
     return records
 
 
@@ -181,7 +201,8 @@ def report(records: dict, name: str) -> None:
     rows, notes = [], []
     ok = {k: v for k, v in records.items() if not v.get("failed")}
     for run in sorted(k for k in records if records[k].get("failed")):
-        notes.append(f"FAILED run {run} (exit {records[run]['returncode']}).")
+        why = records[run].get("skipped_because")
+        notes.append(f"NOT RUN {run}: {why}." if why else f"FAILED run {run} (exit {records[run]['returncode']}).")
     for mode in ("fsdp", "ep", "compile", "perf", "scale"):
         bf16, fp8 = ok.get(f"{mode}-bf16"), ok.get(f"{mode}-fp8flow")
         if not (bf16 and fp8):
@@ -240,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=None, help="processes/GPUs per run (default: every visible GPU)")
     parser.add_argument("--scale-steps", type=int, default=100, help="steps of the scale group's runs")
     parser.add_argument("--name", default="distributed_torchtitan", help="result file name (without suffix)")
+    parser.add_argument(
+        "--budget-s", type=float, default=float("inf"), help="launch no run that would end after this many seconds"
+    )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--recipe", choices=RECIPES, help=argparse.SUPPRESS)
     parser.add_argument("torchtitan_args", nargs="*")
@@ -255,11 +279,15 @@ def main(argv: list[str] | None = None) -> None:
     if visible < 2 or gpus > visible:
         print(f"bench_distributed_torchtitan: needs >= 2 GPUs and --gpus <= {visible} visible; skipped")
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        records = run_plan(plan_runs(args.runs, gpus, Path(tmp), args.scale_steps), gpus, Path(tmp))
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / f"{args.name}_runs.json").write_text(json.dumps(records))
-    report(records, args.name)
+
+    def save(records: dict) -> None:
+        (RESULTS_DIR / f"{args.name}_runs.json").write_text(json.dumps(records))
+        report(records, args.name)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = plan_runs(args.runs, gpus, Path(tmp), args.scale_steps)
+        run_plan(plan, gpus, Path(tmp), args.budget_s, on_record=save)
     return None
 
 

@@ -59,3 +59,21 @@ def test_scale_flavor_has_deepseek_v3_expert_dims():
 
     args = deepseekv3_args["fp8flow_dsv3_experts"]
     assert (args.dim, args.moe_inter_dim, args.moe_args.num_experts, args.moe_args.top_k) == (7168, 2048, 256, 8)
+
+
+def test_budget_skips_runs_that_would_end_past_it_and_saves_after_each(tmp_path, monkeypatch):
+    clock = iter(range(0, 1000, 10))  # every monotonic() call advances 10 s
+    monkeypatch.setattr(bench.time, "monotonic", lambda: next(clock))
+    launched, saved = [], []
+
+    def fake_launch(spec, gpus, work, records):
+        launched.append(spec.name)
+        records[spec.name] = {"losses": [1.0]}
+
+    monkeypatch.setattr(bench, "launch", fake_launch)
+    runs = [bench.RunSpec(name, "bf16", ()) for name in ("a", "b", "c", "d")]
+    records = bench.run_plan(runs, 2, tmp_path, budget_s=45, on_record=lambda r: saved.append(sorted(r)))
+    # each launch takes 10 s: a starts at 10 s, b at 30 s (30 + 10 <= 45), c at 50 s is past the budget, d too
+    assert launched == ["a", "b"]
+    assert records["c"]["skipped_because"] == records["d"]["skipped_because"] == "over --budget-s"
+    assert saved == [["a"], ["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]]
