@@ -98,7 +98,8 @@ def build_layer(case: Case, recipe: str, probs: torch.Tensor, ids: torch.Tensor,
     shape = case.shape
     args = MoEArgs(num_experts=shape.experts, num_shared_experts=0, top_k=shape.top_k, score_before_experts=False)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    # init_weights writes the parameters in place: under no_grad, as torchtitan's trainer runs it
+    with torch.device("cuda"), torch.no_grad():
         moe = MoE(args, dim=shape.dim, hidden_dim=shape.hidden)
         moe.init_weights(0.02, torch.device("cuda"))
     moe.to(torch.bfloat16)

@@ -517,11 +517,12 @@ def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> lis
                 )
                 for name, us in stages.items()
             ]
+            bound = "host-bound" if host_us > device_us else "device-bound"
             stage_rows += [
                 row(
                     f"{case.shape.name} T={case.tokens} {kind} {variant}",
                     us,
-                    "per step, measured apart with the GPU held busy (host > device: host-bound)",
+                    f"per step, measured apart with the GPU held busy: {bound}",
                     None,
                     stage=stage,
                     share_pct=None,

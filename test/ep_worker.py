@@ -17,6 +17,8 @@ from fp8flow_ao.debug import FP8FlowOpCounter
 from fp8flow_ao.moe import convert_moe_layer, fp8flow_routed_experts
 from fp8flow_ao.torchtitan.cpu import integer_histc
 
+FSDP_STEPS = 4
+
 
 def _local_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     size = t.shape[0] // world
@@ -25,10 +27,10 @@ def _local_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def run_routed_case(case: dict, rank: int, world: int, device: str) -> dict:
     """The functional routed path with ``ep_group``: this rank's tokens, this rank's experts."""
-    x = _local_slice(case["x"], rank, world).to(device).requires_grad_()
-    probs = _local_slice(case["probs"], rank, world).to(device).requires_grad_()
+    x = _local_slice(case["x"], rank, world).to(device, copy=True).requires_grad_()
+    probs = _local_slice(case["probs"], rank, world).to(device, copy=True).requires_grad_()
     indices = _local_slice(case["indices"], rank, world).to(device)
-    weights = [_local_slice(case[n], rank, world).to(device).requires_grad_() for n in ("w1", "w2", "w3")]
+    weights = [_local_slice(case[n], rank, world).to(device, copy=True).requires_grad_() for n in ("w1", "w2", "w3")]
     with FP8FlowOpCounter() as counter:
         out = fp8flow_routed_experts(
             x,
@@ -60,7 +62,7 @@ def run_layer_case(case: dict, rank: int, world: int, device: str) -> dict:
         parallelize_module(layer.experts, mesh, ExpertParallel())
     styles = {"fp8flow_hooks": len(moe.experts._forward_pre_hooks) + len(moe.experts._forward_hooks)}
     styles["bf16_hooks"] = len(bf16.experts._forward_pre_hooks) + len(bf16.experts._forward_hooks)
-    x = _local_slice(case["x"], rank, world).to(device)[None].requires_grad_()  # [batch 1, T, D]
+    x = _local_slice(case["x"], rank, world).to(device, copy=True)[None].requires_grad_()  # [batch 1, T, D]
     with integer_histc():
         out = moe(x)
         out.backward(_local_slice(case["grad"], rank, world).to(device)[None])
@@ -70,7 +72,7 @@ def run_layer_case(case: dict, rank: int, world: int, device: str) -> dict:
 
 
 def run_fsdp_case(case: dict, rank: int, world: int, device: str) -> dict:
-    """Data parallel under FSDP2 (this rank's tokens, all experts sharded): two steps with an SGD update between."""
+    """Data parallel under FSDP2 (this rank's tokens, all experts sharded): FSDP_STEPS steps of fused AdamW with clipping."""
     from test_moe import make_moe
     from torch.distributed.fsdp import fully_shard
 
@@ -79,10 +81,12 @@ def run_fsdp_case(case: dict, rank: int, world: int, device: str) -> dict:
     mesh = torch.distributed.device_mesh.init_device_mesh(device, (world,))
     fully_shard(moe.experts, mesh=mesh)
     fully_shard(moe, mesh=mesh)
-    optimizer = torch.optim.SGD(moe.parameters(), lr=0.5)
+    # As torchtitan trains: fused AdamW (its default implementation) after clipping the gradient norm,
+    # for FSDP_STEPS steps, so that every re-gather after an update is compared.
+    optimizer = torch.optim.AdamW(moe.parameters(), lr=1e-2, fused=True)
     results: dict = {}
-    for step in range(2):
-        x = _local_slice(case["x"], rank, world).to(device)[None].requires_grad_()
+    for step in range(FSDP_STEPS):
+        x = _local_slice(case["x"], rank, world).to(device, copy=True)[None].requires_grad_()
         with FP8FlowOpCounter() as counter, integer_histc():
             out = moe(x)
             out.backward(_local_slice(case["grad"], rank, world).to(device)[None])
@@ -93,8 +97,12 @@ def run_fsdp_case(case: dict, rank: int, world: int, device: str) -> dict:
             f"quantize_128x128@{step}": counter.counts["quantize_128x128"],
         }
         results |= grads
+        torch.nn.utils.clip_grad_norm_(list(moe.parameters()), max_norm=1e-3)  # always active
         optimizer.step()
         optimizer.zero_grad()
+    for name, value in moe.state_dict().items():  # this rank's shards after the last update
+        local = value.to_local() if hasattr(value, "to_local") else value
+        results[f"weight:{name}"] = getattr(local, "_data", local).clone()
     return results
 
 
@@ -119,7 +127,9 @@ def run_dcp_case(case: dict, rank: int, world: int, device: str) -> dict:
         if convert:
             convert_moe_layer(moe)
         parallelize_module(moe.experts, mesh, ExpertParallel())
-        return moe, torch.optim.AdamW(moe.parameters(), lr=1e-2)
+        # foreach=False: the experts are DTensors and the rest plain tensors here (torchtitan always adds
+        # FSDP2, which makes every parameter a DTensor); foreach ops refuse such a mix on CUDA.
+        return moe, torch.optim.AdamW(moe.parameters(), lr=1e-2, foreach=False)
 
     def step(moe, optimizer, batch) -> torch.Tensor:
         x, grad = (t.to(device)[None] for t in batch)

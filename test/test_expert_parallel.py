@@ -74,8 +74,8 @@ for _name, _routing in (("layer", "skewed"), ("layer_llama4", "llama4_skewed")):
     }
 
 
-# FSDP2 (data parallel, experts sharded on dim 0): the same two steps with the expert weights
-# all-gathered in BF16 and as FP8 tiles; the layer under test is the skewed one (empty experts).
+# FSDP2 (data parallel, experts sharded on dim 0): the same FSDP_STEPS steps (fused AdamW, clipped) with
+# the expert weights all-gathered in BF16 and as FP8 tiles; the layer under test is the skewed one.
 for _fp8_gather in (False, True):
     CASES[f"fsdp_fp8_gather={_fp8_gather}"] = CASES["layer"] | {"fsdp_fp8_all_gather": _fp8_gather}
 
@@ -99,8 +99,9 @@ def _check_dcp(ranks: list[dict]) -> None:
 
 
 def _single_process_routed(case: dict, device: str) -> dict:
-    x, probs = case["x"].to(device).requires_grad_(), case["probs"].to(device).requires_grad_()
-    weights = [case[n].to(device).requires_grad_() for n in ("w1", "w2", "w3")]
+    # copy=True: never turn the shared CASES tensors into autograd leaves (the next test saves them for its ranks)
+    x, probs = case["x"].to(device, copy=True).requires_grad_(), case["probs"].to(device, copy=True).requires_grad_()
+    weights = [case[n].to(device, copy=True).requires_grad_() for n in ("w1", "w2", "w3")]
     out = fp8flow_routed_experts(
         x, probs, case["indices"].to(device), *weights, recompute_experts=case["recompute"], backward=case["backward"]
     )
@@ -135,7 +136,10 @@ _BY_RANK = ("out", "x", "probs", "w1", "w2", "w3", "experts.w1", "experts.w2", "
 
 
 def _check_fsdp(ranks: list[dict]) -> None:
-    """FP8 all-gather of the expert weights changes no bit and quantizes only the shards, never the full weight."""
+    """FP8 all-gather of the expert weights changes no bit and quantizes only the shards, never the full weight:
+    outputs, gradients and updated weights over several steps of fused AdamW with gradient clipping."""
+    import ep_worker
+
     bf16, fp8 = (f"fsdp_fp8_gather={flag}" for flag in (False, True))
     for results in ranks:
         for key, value in results[bf16].items():
@@ -145,9 +149,11 @@ def _check_fsdp(ranks: list[dict]) -> None:
         # BF16 gather: the layer quantizes the whole W13 and w2 in forward, their transposes in backward
         # (4 calls); FP8 gather: each rank quantizes only its shards of w1, w2, w3, at the forward's
         # all-gather and at backward's re-gather (6 calls on half the bytes), the layer none.
-        assert [results[bf16][f"quantize_128x128@{s}"] for s in (0, 1)] == [4, 4]
-        assert [results[fp8][f"quantize_128x128@{s}"] for s in (0, 1)] == [6, 6]
-    assert not torch.equal(ranks[0][fp8]["out@0"], ranks[0][fp8]["out@1"]), "the SGD step must change the weights"
+        steps = range(ep_worker.FSDP_STEPS)
+        assert [results[bf16][f"quantize_128x128@{s}"] for s in steps] == [4] * len(steps)
+        assert [results[fp8][f"quantize_128x128@{s}"] for s in steps] == [6] * len(steps)
+        assert any(key.startswith("weight:experts.") for key in results[fp8]), "the updated weights are compared"
+    assert not torch.equal(ranks[0][fp8]["out@0"], ranks[0][fp8]["out@1"]), "the optimizer step must change the weights"
 
 
 def _check_against_single_process(ranks: list[dict], device: str) -> None:
@@ -370,3 +376,10 @@ def test_one_rank_group_with_no_tokens(one_rank_group):
     out.backward(torch.ones_like(out))
     assert out.shape == (0, DIM) and x.grad.shape == (0, DIM) and probs.grad.shape == (0, 2)
     assert all(w.grad is not None and not w.grad.any() for w in weights)
+
+
+def test_single_process_reference_leaves_the_shared_cases_untouched():
+    """A CPU reference run must not make CASES require grad: the NCCL test that follows in the same
+    process saves them for its ranks, where a tensor that requires grad gives non-leaf inputs and no .grad."""
+    _single_process_routed(CASES["balanced"], "cpu")
+    assert not any(t.requires_grad for t in CASES["balanced"].values() if torch.is_tensor(t))
