@@ -99,7 +99,7 @@ def _check_dcp(ranks: list[dict]) -> None:
 
 
 def _single_process_routed(case: dict, device: str) -> dict:
-    # copy=True: never turn the shared CASES tensors into autograd leaves (the next test saves them for its ranks)
+    # copy=True: never set requires_grad on the shared CASES tensors (the NCCL test saves them for its ranks)
     x, probs = case["x"].to(device, copy=True).requires_grad_(), case["probs"].to(device, copy=True).requires_grad_()
     weights = [case[n].to(device, copy=True).requires_grad_() for n in ("w1", "w2", "w3")]
     out = fp8flow_routed_experts(
