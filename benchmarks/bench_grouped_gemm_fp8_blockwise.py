@@ -24,6 +24,14 @@ kernel runs beside it as a baseline row.
     python benchmarks/bench_grouped_gemm_fp8_blockwise.py            # default subset (~2-3 min on H100)
     python benchmarks/bench_grouped_gemm_fp8_blockwise.py --full     # the whole matrix
     python benchmarks/bench_grouped_gemm_fp8_blockwise.py --sweep    # time every launch config, no autotune
+    python benchmarks/bench_grouped_gemm_fp8_blockwise.py --weights  # bf16 weights quantized in the GEMM or before it
+
+``--weights`` (results ``grouped_gemm_weights``): forward and dgrad with the bf16 weight as the op's
+``b``, quantized tile by tile inside the kernel (ours), against ``quantize_128x128`` of the weight (the
+orientation the pass needs) followed by the FP8 call -- what the MoE layer and ``fp8_grouped_mm`` did
+before -- and against the FP8 call alone on weights quantized beforehand (a cached FP8 weight), over
+rows per expert from 128 to 2048 at DeepSeek-V3 and Qwen3-30B-A3B expert dims: where the in-GEMM path
+stops paying is the layer's rule (``quantize_weights_in_gemm``).
 """
 
 from __future__ import annotations
@@ -306,13 +314,74 @@ def run_sweep(passes: list[str]) -> list[dict]:
     return rows_out
 
 
+# (M, K, N, E): forward out[M, N] = X W_e^T with W [E, N, K]; dgrad runs on the same W.
+WEIGHT_CASES = [
+    *((16384, 7168, 4096, e) for e in (8, 32, 64)),  # DeepSeek-V3 FC1: 2048 / 512 / 256 rows per expert
+    (32768, 7168, 4096, 32),  # 1024 rows per expert (the DeepSeek-like layer at T=4096, top-8)
+    (16384, 2048, 7168, 64),  # DeepSeek-V3 FC2, 256 rows per expert
+    *((m, 2048, 1536, 128) for m in (16384, 65536)),  # Qwen3-30B-A3B FC1: 128 / 512 rows per expert
+    *((m, 768, 2048, 128) for m in (16384, 65536)),  # Qwen3-30B-A3B FC2
+]
+
+
+def run_weights(passes: list[str]) -> list[dict]:
+    """bf16 weights quantized in the GEMM (ours) vs quantize_128x128 + the FP8 call vs the FP8 call alone."""
+    from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as fwd
+    from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
+
+    rows_out = []
+    for m, k, n, e in WEIGHT_CASES:
+        p = make_problem(m, k, n, e, "balanced")
+        for which in (w for w in passes if w != "wgrad"):
+            nn, kk = pass_dims(p, which)
+            flops = 2 * p["rows"] * nn * kk
+            t = which == "dgrad"
+            a, sa = (p["dy8"], p["dys"]) if t else (p["x8"], p["xs"])
+            b8, sb8 = (p["wt8"], p["wts"]) if t else (p["w8"], p["ws"])
+            w, offs, op = p["w"], p["offs"], fwd.launch_grouped_gemm_fp8_blockwise
+
+            def separate(a=a, sa=sa, w=w, offs=offs, t=t, op=op):
+                data, scale, data_t, scale_t = quantize_128x128(w, with_transpose=t, with_data=not t)
+                return op(a, sa, data_t if t else data, scale_t if t else scale, offs)
+
+            ours_us = bench_us(
+                lambda a=a, sa=sa, w=w, offs=offs, t=t, op=op: op(a, sa, w, None, offs, transpose_b=t), [()]
+            )
+            case = f"{which} M={m} K={k} N={n} E={e} rows/expert={p['rows'] // e}"
+            print(f"{case}: in-GEMM {ours_us:.1f} us", flush=True)
+            for name, fn in (
+                ("quantize_128x128 + FP8 GEMM", separate),
+                (
+                    "FP8 GEMM alone (weights quantized beforehand)",
+                    lambda a=a, sa=sa, b8=b8, sb8=sb8, offs=offs, op=op: op(a, sa, b8, sb8, offs),
+                ),
+                ("bf16 torch._grouped_mm", functools.partial(*bf16_grouped(p, which)[:1], *bf16_grouped(p, which)[1])),
+            ):
+                base_us = bench_us(fn, [()])
+                print(f"    {name}: {base_us:.1f} us", flush=True)
+                rows_out.append(row(case, ours_us, name, base_us, flops=flops, rows_per_expert=p["rows"] // e))
+        del p
+        torch.cuda.empty_cache()
+    return rows_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="the whole shape matrix")
     parser.add_argument("--sweep", action="store_true", help="time every launch config (no autotune)")
+    parser.add_argument("--weights", action="store_true", help="bf16 weights quantized in the GEMM vs before it")
     parser.add_argument("--passes", default=",".join(PASSES), help="comma-separated subset of forward,dgrad,wgrad")
     args = parser.parse_args()
     if not require_cuda("bench_grouped_gemm_fp8_blockwise"):
+        return
+    if args.weights:
+        write_results(
+            "grouped_gemm_weights",
+            run_weights(args.passes.split(",")),
+            "ours = bf16 weights as the op's b, quantized tile by tile in the kernel (bit-identical to the "
+            "separate path); baselines: quantize_128x128 of the weight (the pass's orientation) + the FP8 call, "
+            "the FP8 call alone on pre-quantized weights, BF16 torch._grouped_mm. Balanced groups.",
+        )
         return
     if args.sweep:
         write_results(

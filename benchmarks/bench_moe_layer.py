@@ -26,7 +26,9 @@ Variants, each ``torch.compile``-d (default mode, graph breaks allowed so every 
   loss-gap fix of ``convergence.md``), what it costs.
 
 Reported per case: median ms of forward + backward (input and output gradients, weight
-gradients) over ``--repeats`` repetitions (each itself a median of do_bench's runs), with the
+gradients) over ``--repeats`` repetitions (each itself a median of do_bench's runs, after one
+untimed repetition: the first measured repetition ran up to 15% slow in earlier runs -- clocks and the
+allocator settling after compilation -- and set the spread), with the
 repetitions' min and max and their spread (``(max - min) / median``); the speed-up is the ratio of
 the medians, ``speedup_range`` the worst and best pairing of repetitions; speed-up of FP8-Flow over each baseline; TFLOP/s at 18*T*k*D*H model FLOPs; the
 activation memory held for backward (``memory_allocated`` after the forward minus before, less the
@@ -270,6 +272,7 @@ class Measured:
 
 def measure(block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int) -> Measured:
     step = make_step(block)
+    bench_us(step, inputs)  # an untimed repetition first (see the module docstring)
     reps_us = [bench_us(step, inputs) for _ in range(repeats)]
     x, dy = inputs[0]
     step(x, dy)

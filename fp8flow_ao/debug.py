@@ -21,10 +21,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # Ops that take a BF16/FP32 activation or gradient to FP8 on their own: the casts FP8-Flow counts.
 # (swiglu_quant* quantize inside a fused op; quantize_128x128 quantizes weights.)
 ACTIVATION_CAST_OPS = ("quantize_1x128", "quantize_dual_1x128")
+# The count key of grouped GEMM calls that quantize a high-precision weight themselves (tile by tile as they
+# load it, instead of reading quantize_128x128's tiles).
+QUANTIZING_GEMMS = "grouped_gemm_fp8_blockwise(high-precision b)"
 
 
 class FP8FlowOpCounter(TorchDispatchMode):
-    """Dispatch mode that counts ``fp8flow::<op>`` calls by op name in :attr:`counts`."""
+    """Dispatch mode that counts ``fp8flow::<op>`` calls by op name in :attr:`counts`; grouped GEMM calls
+    that quantize their weight themselves are also counted under :data:`QUANTIZING_GEMMS`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,7 +37,14 @@ class FP8FlowOpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "fp8flow":
             self.counts[func._opname] += 1
+            if func._opname == "grouped_gemm_fp8_blockwise" and args[2].dtype != torch.float8_e4m3fn:
+                self.counts[QUANTIZING_GEMMS] += 1
         return func(*args, **(kwargs or {}))
+
+    @property
+    def weight_quantizations(self) -> int:
+        """Weight orientations made FP8: ``quantize_128x128`` calls plus GEMMs that quantize their weight."""
+        return self.counts["quantize_128x128"] + self.counts[QUANTIZING_GEMMS]
 
     @property
     def activation_casts(self) -> int:

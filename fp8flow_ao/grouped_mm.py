@@ -33,7 +33,10 @@ Recipes:
   together with its exact FP8 transpose. Saved for backward: FP8 ``A`` + scales and the transposed
   FP8 weight, never a BF16 activation. Backward: ``dA`` on the exactly transposed FP8 weight,
   ``dW`` on the scaling-aware transpose of the saved FP8 ``A`` and the column-wise half of
-  ``quantize_dual_1x128(dOut)``.
+  ``quantize_dual_1x128(dOut)``. Where groups have few rows
+  (:func:`~fp8flow_ao.kernels.grouped_gemm_fp8_blockwise.quantize_in_gemm_pays`) and ``B_t`` is a view of
+  a bf16 ``W`` (torchtitan's call), no FP8 weight is made at all: the forward and dgrad GEMMs take ``W``
+  and quantize each 128x128 tile as they load it (the same bits), and backward keeps ``W`` by reference.
 * ``"rowwise"`` (comparison with torchao's FP8 row-wise path, same math as torchao 0.18's
   ``_Float8GroupedMM``): per-row power-of-two scales (``quantize_1x128(x, block_k=None)``) and
   ``torch._scaled_grouped_mm`` on CUDA; on the CPU a reference (dequantize, then
@@ -58,7 +61,7 @@ from fp8flow_ao._checks import (
     validation_enabled,
 )
 from fp8flow_ao._format import BLOCK, cast_to_fp8, nan_free_abs, pow2_scale_inv
-from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import grouped_gemm_fp8_blockwise
+from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import grouped_gemm_fp8_blockwise, quantize_in_gemm_pays
 from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows, route_pad
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
@@ -277,6 +280,10 @@ class _Float8GroupedMM(torch.autograd.Function):
         else:
             # A: 1x128 blocks along K, row-major [M, K] + [M, K/128]: the forward GEMM's LHS.
             a_data, a_scale = quantize_1x128(a)
+        if _quantize_w_in_gemm(a_data, w, b_t):
+            # W itself (the parameter, saved by reference): forward and dgrad GEMMs quantize its 128x128 tiles.
+            ctx.save_for_backward(a_data, a_scale, w, None, offs)
+            return grouped_gemm_fp8_blockwise(a_data, a_scale, w, None, offs, out_dtype=out_dtype)
         # W: 128x128 tiles [E, N, K] (forward RHS, K-major) and its exact transpose [E, K, N] (dgrad RHS).
         w_data, w_scale, w_t_data, w_t_scale = quantize_128x128(w, with_transpose=True)
         ctx.save_for_backward(a_data, a_scale, w_t_data, w_t_scale, offs)
@@ -294,12 +301,29 @@ class _Float8GroupedMM(torch.autograd.Function):
         return grad_a.to(ctx.a_dtype), grad_b_t, None, None, None, None
 
 
+def _quantize_w_in_gemm(a_data: torch.Tensor, w: torch.Tensor, b_t: torch.Tensor) -> bool:
+    """Whether the GEMMs take ``W`` as it is and quantize it as they load it: few rows per group
+    (``quantize_in_gemm_pays``) and ``W`` the caller's own tensor, not a copy (``B_t`` a transposed view of
+    it), so keeping it for backward costs nothing; not FSDP2's FP8 all-gathered tiles."""
+    from fp8flow_ao.tensor import Float8BlockwiseWeight
+
+    return (
+        not isinstance(w, Float8BlockwiseWeight)
+        and b_t.transpose(-2, -1).is_contiguous()  # W is B_t's own storage (_weight_from_b_t copied nothing)
+        and quantize_in_gemm_pays(a_data.shape[0], w.shape[0], w.dtype)
+    )
+
+
 def _blockwise_backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     a_data, a_scale, w_t_data, w_t_scale, offs = ctx.saved_tensors
     # dOut [M, N]: row-wise 1x128 (dgrad LHS) and column-wise [N, M] (wgrad LHS) from one read.
     g_data, g_scale, g_t_data, g_t_scale = quantize_dual_1x128(grad_out, offs)
-    # dA [M, K] = dOut @ W per group: RHS = the exact FP8 transpose W^T [E, K, N] (K-major for the GEMM).
-    grad_a = grouped_gemm_fp8_blockwise(g_data, g_scale, w_t_data, w_t_scale, offs, out_dtype=torch.bfloat16)
+    # dA [M, K] = dOut @ W per group: RHS = the exact FP8 transpose W^T [E, K, N] (K-major for the GEMM),
+    # or W itself (saved without scales) whose tiles the GEMM quantizes and transposes as it loads them.
+    in_gemm = w_t_scale is None
+    grad_a = grouped_gemm_fp8_blockwise(
+        g_data, g_scale, w_t_data, w_t_scale, offs, out_dtype=torch.bfloat16, transpose_b=in_gemm
+    )
     # dW_e [N, K] = dOut_e^T A_e: A re-encoded column-wise [K, M] by exponent shift, no re-quantization.
     a_t_data, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
     # Written in the weight's dtype by the epilogue, or added there into the gradient it already holds.

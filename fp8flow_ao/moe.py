@@ -24,7 +24,8 @@ sends dy after Q2 along the same routes. Still two explicit casts; one host sync
 Saved for backward: ``x8`` + scales ``[T, D]`` (under EP: the received rows ``[R, D]``) (FP8, never BF16; re-permuted in backward, k times
 smaller than the permuted rows), the permuted probs, the routing maps and offsets, references to
 the weight parameters (no copy: by default, ``weight_cache="off"``, the weights are re-quantized in
-backward into the exact FP8 transposes the dgrads need, the same bits as forward's, since holding FP8
+backward into the exact FP8 transposes the dgrads need, the same bits as forward's -- by the dgrad GEMMs
+themselves where experts have few rows (``weight_cache.quantized_in_gemm``) -- since holding FP8
 copies of every layer's weights from forward to backward costs more memory than the activations;
 ``"forward"``/``"step"`` keep the forward's transposes instead, :mod:`fp8flow_ao.weight_cache`), and either ``h``
 (BF16 ``[M, 2H]``, which SwiGLU's backward needs exactly) + ``a8`` (FP8, FC2's wgrad operand), or,
@@ -63,6 +64,8 @@ from fp8flow_ao.kernels.swiglu_quant import (
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 from fp8flow_ao.parallel.expert_parallel import combine, combine_probs_grad, dispatch, plan_dispatch
 from fp8flow_ao.weight_cache import (
+    ExpertWeightsHP,
+    WeightOperand,
     check_weight_cache_mode,
     kept_for_backward,
     split_kept,
@@ -79,17 +82,24 @@ ABLATIONS = ("bf16", "bf16_wgrad")
 gradients only (:func:`_grads_bf16`). Eager only, without recompute or expert parallelism."""
 
 
+def _expert_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: WeightOperand, offs: torch.Tensor) -> torch.Tensor:
+    """One of the layer's grouped GEMMs, BF16 out: ``a @ B_e^T`` per group, ``B`` FP8 tiles or a weight the
+    GEMM quantizes as it loads it (:class:`~fp8flow_ao.weight_cache.WeightOperand`)."""
+    return grouped_gemm_fp8_blockwise(
+        a, a_scale, b.b, b.b_scale, offs, out_dtype=torch.bfloat16, b_tail=b.b_tail, transpose_b=b.transpose_b
+    )
+
+
 def _fc1_swiglu(
     xp: torch.Tensor,
     xp_scale: torch.Tensor,
-    w13: torch.Tensor,
-    w13_scale: torch.Tensor,
+    w13: WeightOperand,
     probs: torch.Tensor,
     offs: torch.Tensor,
     score_before: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FC1 + SwiGLU(x prob) + quant: ``h`` BF16 ``[M, 2H]`` and ``a8`` + scales ``[M, H]`` (forward and recompute)."""
-    h = grouped_gemm_fp8_blockwise(xp, xp_scale, w13, w13_scale, offs, out_dtype=torch.bfloat16)
+    h = _expert_gemm(xp, xp_scale, w13, offs)
     a_data, a_scale = swiglu_quant(h, probs, offs, score_before)
     return h, a_data, a_scale
 
@@ -131,13 +141,12 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             rows_experts, rows_k = plan.local_expert, 1
         routed = permute_pad(rows, rows_scale, rows_experts, rows_probs, num_experts)
         offs = routed.group_end_offsets
-        # Weights: 128x128 tiles; with weight_cache "forward"/"step" also the dgrads' exact transposes,
-        # kept for backward (memory for speed: weight_cache.py).
-        qw = weights_for_forward(w1, w2, w3, weight_cache)
-        h, a_data, a_scale = _fc1_swiglu(
-            routed.data, routed.scale_inv, qw.w13, qw.w13_scale, routed.probs, offs, score_before
-        )
-        y = grouped_gemm_fp8_blockwise(a_data, a_scale, qw.w2, qw.w2_scale, offs, out_dtype=torch.bfloat16)
+        # Weights: 128x128 tiles, made by the GEMMs themselves as they load the weights where experts have
+        # few rows; else by quantize_128x128, with weight_cache "forward"/"step" also the dgrads' exact
+        # transposes, kept for backward (memory for speed: weight_cache.py).
+        qw = weights_for_forward(w1, w2, w3, weight_cache, routed.data.shape[0])
+        h, a_data, a_scale = _fc1_swiglu(routed.data, routed.scale_inv, qw.fc1(), routed.probs, offs, score_before)
+        y = _expert_gemm(a_data, a_scale, qw.fc2(), offs)
         out = unpermute_unpad(y, routed.dst_rows, rows_k)
         if plan is not None:
             out = combine(out, plan)
@@ -149,6 +158,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             rows, rows_scale, routed.probs, routed.src_rows, routed.dst_rows, offs, w1, w2, w3, *kept, *fc1_saved
         )
         ctx.recompute, ctx.top_k, ctx.rows_k, ctx.plan = recompute, top_k, rows_k, plan
+        ctx.weights_in_gemm = isinstance(qw, ExpertWeightsHP)
         ctx.score_before, ctx.backward = score_before, backward
         ctx.dtypes = (x.dtype, probs.dtype, w1.dtype, w2.dtype, w3.dtype)
         # Return the op's result itself when the dtype already matches: a no-op ``.to`` would hand back an
@@ -207,9 +217,14 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
     # forward, or quantized again from the same weights (the same bits), each right before its dgrad
     # and dropped after it, so no FP8 weight copy is alive while the weight gradients are written.
     fp8_fc1_dgrad = ctx.backward != "bf16_fc1_dgrad"
-    qw13 = weights_for_backward(kept, w1, w2, w3, True, "w13", transpose=fp8_fc1_dgrad) if ctx.recompute else None
+    in_gemm = ctx.weights_in_gemm
+    qw13 = (
+        weights_for_backward(kept, w1, w2, w3, True, "w13", transpose=fp8_fc1_dgrad, in_gemm=in_gemm)
+        if ctx.recompute
+        else None
+    )
     if ctx.recompute:
-        h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw13.w13, qw13.w13_scale, probs_p, offs, ctx.score_before)
+        h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw13.fc1(), probs_p, offs, ctx.score_before)
     else:
         h, a_data, a_scale = fc1_saved
 
@@ -220,8 +235,8 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
     dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, rows_k)
 
     # FC2 dgrad: da [M, H] = dy @ w2 per expert, RHS = exact FP8 w2^T [E, H, D].
-    qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2")
-    grad_a = grouped_gemm_fp8_blockwise(dyp, dyp_scale, qw2.w2_t, qw2.w2_t_scale, offs, out_dtype=torch.bfloat16)
+    qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2", in_gemm=in_gemm)
+    grad_a = _expert_gemm(dyp, dyp_scale, qw2.fc2_dgrad(), offs)
     del qw2
     if fp8_wgrads:
         # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
@@ -238,8 +253,8 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
         grad_xp = _fc1_dgrad_bf16(grad_a, h, probs_p, offs, ctx.score_before, w1, w3)
     else:
         if qw13 is None:
-            qw13 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w13")
-        grad_xp = grouped_gemm_fp8_blockwise(dh, dh_scale, qw13.w13_t, qw13.w13_t_scale, offs, out_dtype=torch.bfloat16)
+            qw13 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w13", in_gemm=in_gemm)
+        grad_xp = _expert_gemm(dh, dh_scale, qw13.fc1_dgrad(), offs)
     del qw13  # (recompute's W13 too, in the BF16 mode) no FP8 weight copy alive while the wgrads are written
     # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8. Stored as
     # [2, E, H, D], so w1's and w3's gradients are contiguous: halves of [E, 2H, D] would be strided

@@ -3,12 +3,14 @@
 Each step the layer needs its expert weights as 128 x 128 FP8 tiles twice: ``W13 = [w1; w3]``
 ``[E, 2H, D]`` and ``w2`` ``[E, D, H]`` for the forward GEMMs, and their exact transposes ``[E, D, 2H]``,
 ``[E, H, D]`` for the backward dgrads (:func:`~fp8flow_ao.kernels.quantize_128x128.quantize_128x128`
-writes both orientations in one pass, and W13 straight into one buffer). ``weight_cache`` chooses how
-often that happens, trading memory for speed:
+writes both orientations in one pass, and W13 straight into one buffer), or the GEMMs quantize each
+tile themselves as they load it from the BF16 weights (the same bits: :class:`ExpertWeightsHP`, where
+:func:`~fp8flow_ao.kernels.grouped_gemm_fp8_blockwise.quantize_in_gemm_pays`: experts with few rows).
+``weight_cache`` chooses how often the FP8 tiles are made, trading memory for speed:
 
 * ``"off"``: forward quantizes the forward orientation, backward quantizes the transposes again from
-  the same high-precision weights (the same bits). Nothing FP8 of the weights outlives its GEMM:
-  the least memory; each BF16 weight byte is read twice per micro-batch.
+  the same high-precision weights (the same bits), or each GEMM quantizes as it loads. Nothing FP8 of
+  the weights outlives its GEMM: the least memory; each BF16 weight byte is read twice per micro-batch.
 * ``"forward"``: forward writes both orientations in one pass and keeps the transposes for backward
   (and W13 itself with ``recompute_experts``). Reads the BF16 weights once per micro-batch, saves one
   ``quantize_128x128`` launch per weight; costs ``3*E*H*D`` bytes per layer (half the BF16 weight
@@ -61,6 +63,7 @@ from typing import NamedTuple, TypeVar
 import torch
 from torch.utils._pytree import tree_leaves
 
+from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import quantize_in_gemm_pays
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
 
 WEIGHT_CACHE_MODES = ("off", "forward", "step")
@@ -85,8 +88,72 @@ class ExpertWeightsFP8(NamedTuple):
     w2_t: torch.Tensor | None
     w2_t_scale: torch.Tensor | None
 
+    def fc1(self) -> WeightOperand:
+        """FC1's B operand (``W13``)."""
+        return WeightOperand(self.w13, self.w13_scale)
+
+    def fc2(self) -> WeightOperand:
+        """FC2's B operand (``w2``)."""
+        return WeightOperand(self.w2, self.w2_scale)
+
+    def fc1_dgrad(self) -> WeightOperand:
+        """FC1 dgrad's B operand (``W13``'s exact transpose)."""
+        return WeightOperand(self.w13_t, self.w13_t_scale)
+
+    def fc2_dgrad(self) -> WeightOperand:
+        """FC2 dgrad's B operand (``w2``'s exact transpose)."""
+        return WeightOperand(self.w2_t, self.w2_t_scale)
+
 
 NOTHING = ExpertWeightsFP8(*(None,) * len(ExpertWeightsFP8._fields))
+
+
+class WeightOperand(NamedTuple):
+    """One GEMM's B operand as :func:`~fp8flow_ao.kernels.grouped_gemm_fp8_blockwise.grouped_gemm_fp8_blockwise`
+    takes it: FP8 tiles (``b``, ``b_scale``) or a high-precision weight the GEMM quantizes (``b_scale``
+    None; ``b_tail`` joined below it; ``transpose_b`` for a dgrad)."""
+
+    b: torch.Tensor
+    b_scale: torch.Tensor | None = None
+    b_tail: torch.Tensor | None = None
+    transpose_b: bool = False
+
+
+class ExpertWeightsHP(NamedTuple):
+    """One MoE layer's expert weights as they are (bf16), for GEMMs that quantize each 128 x 128 tile as
+    they load it: no FP8 weight copy is made or kept (same bits as :class:`ExpertWeightsFP8`'s tiles)."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w3: torch.Tensor
+
+    def fc1(self) -> WeightOperand:
+        return WeightOperand(self.w1, None, self.w3)
+
+    def fc2(self) -> WeightOperand:
+        return WeightOperand(self.w2)
+
+    def fc1_dgrad(self) -> WeightOperand:
+        return WeightOperand(self.w1, None, self.w3, transpose_b=True)
+
+    def fc2_dgrad(self) -> WeightOperand:
+        return WeightOperand(self.w2, None, None, transpose_b=True)
+
+
+def quantized_in_gemm(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, rows: int, mode: str) -> bool:
+    """Whether the layer's GEMMs over ``rows`` padded rows take the weights as they are and quantize them
+    while loading (``weight_cache="off"``, plain contiguous tensors -- not FSDP2's FP8 all-gathered tiles --
+    and :func:`~fp8flow_ao.kernels.grouped_gemm_fp8_blockwise.quantize_in_gemm_pays`). Static: the same
+    answer in forward, backward and recompute."""
+    from fp8flow_ao.tensor import Float8BlockwiseWeight
+
+    return (
+        mode == "off"
+        and not any(isinstance(w, Float8BlockwiseWeight) for w in (w1, w2, w3))
+        and all(w.is_contiguous() for w in (w1, w2, w3))
+        and w1.dtype == w2.dtype == w3.dtype
+        and quantize_in_gemm_pays(rows, w1.shape[0], w1.dtype)
+    )
 
 
 def quantize_expert_weights(
@@ -234,8 +301,14 @@ def check_weight_cache_mode(mode: object) -> None:
         raise ValueError(f"weight_cache must be one of {WEIGHT_CACHE_MODES}, got {mode!r}")
 
 
-def weights_for_forward(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mode: str) -> ExpertWeightsFP8:
-    """The FP8 weights a forward uses: the forward orientation (``"off"``), or both (``"forward"``, ``"step"``)."""
+def weights_for_forward(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mode: str, rows: int
+) -> ExpertWeightsFP8 | ExpertWeightsHP:
+    """The weights a forward over ``rows`` padded rows uses: the weights themselves where the GEMMs quantize
+    them (:func:`quantized_in_gemm`), else FP8 tiles: the forward orientation (``"off"``), or both
+    (``"forward"``, ``"step"``)."""
+    if quantized_in_gemm(w1, w2, w3, rows, mode):
+        return ExpertWeightsHP(w1, w2, w3)
     if mode == "off":
         return quantize_expert_weights(w1, w2, w3, True, True, with_w13_t=False, with_w2_t=False)
 
@@ -248,9 +321,9 @@ def weights_for_forward(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mo
     return EXPERT_WEIGHT_CACHE.get((w1, w2, w3), both)
 
 
-def kept_for_backward(q: ExpertWeightsFP8, recompute: bool) -> ExpertWeightsFP8:
+def kept_for_backward(q: ExpertWeightsFP8 | ExpertWeightsHP, recompute: bool) -> ExpertWeightsFP8:
     """What of the forward's FP8 weights backward keeps: the transposes when made (+ W13 to recompute FC1)."""
-    if q.w13_t is None:
+    if isinstance(q, ExpertWeightsHP) or q.w13_t is None:
         return NOTHING
     w13 = (q.w13, q.w13_scale) if recompute else (None, None)
     return ExpertWeightsFP8(*w13, q.w13_t, q.w13_t_scale, None, None, q.w2_t, q.w2_t_scale)
@@ -270,12 +343,16 @@ def weights_for_backward(
     recompute: bool,
     weight: str,
     transpose: bool = True,
-) -> ExpertWeightsFP8:
-    """The FP8 weights one backward GEMM needs: what forward kept, or (``"off"``) the transpose quantized
-    again from the same weights -- the same bits. ``weight`` is ``"w2"`` (FC2 dgrad's ``w2^T``) or
+    in_gemm: bool = False,
+) -> ExpertWeightsFP8 | ExpertWeightsHP:
+    """The weights one backward GEMM needs: the weights themselves where the GEMMs quantize them
+    (``in_gemm``: the forward's :func:`quantized_in_gemm`), what forward kept, or (``"off"``) the transpose
+    quantized again from the same weights -- the same bits. ``weight`` is ``"w2"`` (FC2 dgrad's ``w2^T``) or
     ``"w13"`` (FC1 dgrad's ``W13^T``, plus W13 itself when FC1 is recomputed; ``transpose=False``: W13
     only, for a FC1 dgrad that does not run in FP8). One at a time, so the layer can drop each transpose
     after its GEMM, before the weight gradients are written."""
+    if in_gemm:
+        return ExpertWeightsHP(w1, w2, w3)
     if kept.w13_t is not None:
         return kept
     if weight not in ("w2", "w13"):

@@ -120,3 +120,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _fresh_seed(request: pytest.FixtureRequest) -> None:
     """Fresh but reproducible random inputs: each test gets its own seed from its node id."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(params=["in_gemm", "separate"])
+def weight_quantization(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways FP8-Flow's grouped GEMMs get a BF16 weight's FP8 tiles, forced through the rows-per-expert
+    rule (``quantize_in_gemm_pays``): quantized by the GEMMs as they load the weight ("in_gemm"), or by
+    ``quantize_128x128`` before them ("separate"). The two must give the same bits."""
+    from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise
+
+    rows = 1 << 30 if request.param == "in_gemm" else 0
+    monkeypatch.setattr(grouped_gemm_fp8_blockwise, "IN_GEMM_MAX_ROWS_PER_EXPERT", rows)
+    return request.param

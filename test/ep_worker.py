@@ -95,6 +95,7 @@ def run_fsdp_case(case: dict, rank: int, world: int, device: str) -> dict:
             f"out@{step}": out[0],
             f"x@{step}": x.grad[0],
             f"quantize_128x128@{step}": counter.counts["quantize_128x128"],
+            f"weight_quantizations@{step}": counter.weight_quantizations,
         }
         results |= grads
         torch.nn.utils.clip_grad_norm_(list(moe.parameters()), max_norm=1e-3)  # always active

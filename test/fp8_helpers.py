@@ -153,20 +153,27 @@ from fp8flow_ao.kernels import _sm90_common as common, {module} as mod
 built = []
 for config in mod.{configs}:
     for out_dtype in (torch.bfloat16, torch.float32):
-        if mod.sm90_smem_bytes(config, out_dtype) <= common.SM90_SMEM_BYTES:
+        if mod.sm90_smem_bytes(config, out_dtype{smem_extra}) <= common.SM90_SMEM_BYTES:
             kernel = mod.{builder}(config, out_dtype{extra})
             built.append([str(config), str(out_dtype), kernel.metadata.shared, len(kernel.asm["cubin"])])
 print(json.dumps(built))
 """
 
 
-def build_every_sm90_config(module: str, configs: str, builder: str, extra: str = "") -> list[list]:
+def build_every_sm90_config(
+    module: str, configs: str, builder: str, extra: str = "", smem_extra: str = ""
+) -> list[list]:
     """Compile ``fp8flow_ao.kernels.<module>.<builder>(config, out_dtype, <extra>)`` for sm_90a for every
-    config in ``<configs>`` and both output dtypes that fit (``<module>.sm90_smem_bytes``);
+    config in ``<configs>`` and both output dtypes that fit (``<module>.sm90_smem_bytes(config, out_dtype,
+    <smem_extra>)``);
     ``[config, dtype, shared bytes, cubin bytes]`` per build. In a fresh process: under TRITON_INTERPRET=1 (the suite without a GPU)
     Triton's own reduction helpers are interpreter functions, which the Gluon compiler refuses."""
     code = _BUILD_EVERY_SM90_CONFIG.format(
-        module=module, configs=configs, builder=builder, extra=f", {extra}" if extra else ""
+        module=module,
+        configs=configs,
+        builder=builder,
+        extra=f", {extra}" if extra else "",
+        smem_extra=f", {smem_extra}" if smem_extra else "",
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

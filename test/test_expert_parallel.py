@@ -143,15 +143,17 @@ def _check_fsdp(ranks: list[dict]) -> None:
     bf16, fp8 = (f"fsdp_fp8_gather={flag}" for flag in (False, True))
     for results in ranks:
         for key, value in results[bf16].items():
-            if key.startswith("quantize_128x128"):
+            if key.startswith(("quantize_128x128", "weight_quantizations")):
                 continue
             assert torch.equal(results[fp8][key], value), f"FSDP2 FP8 vs BF16 all-gather: {key} differs"
         # BF16 gather: the layer quantizes the whole W13 and w2 in forward, their transposes in backward
-        # (4 calls); FP8 gather: each rank quantizes only its shards of w1, w2, w3, at the forward's
-        # all-gather and at backward's re-gather (6 calls on half the bytes), the layer none.
+        # (4 quantize_128x128 passes, or 4 GEMMs that quantize as they load: few rows per expert here);
+        # FP8 gather: each rank quantizes only its shards of w1, w2, w3, at the forward's all-gather and at
+        # backward's re-gather (6 calls on half the bytes), the layer none, its GEMMs none either.
         steps = range(ep_worker.FSDP_STEPS)
-        assert [results[bf16][f"quantize_128x128@{s}"] for s in steps] == [4] * len(steps)
+        assert [results[bf16][f"weight_quantizations@{s}"] for s in steps] == [4] * len(steps)
         assert [results[fp8][f"quantize_128x128@{s}"] for s in steps] == [6] * len(steps)
+        assert [results[fp8][f"weight_quantizations@{s}"] for s in steps] == [6] * len(steps)
         assert any(key.startswith("weight:experts.") for key in results[fp8]), "the updated weights are compared"
     assert not torch.equal(ranks[0][fp8]["out@0"], ranks[0][fp8]["out@1"]), "the optimizer step must change the weights"
 

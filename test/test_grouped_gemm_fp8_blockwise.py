@@ -188,6 +188,115 @@ def test_every_config(launcher, config, out_dtype):
     check(out, a, a_scale, b, b_scale, offsets, out_dtype)
 
 
+def make_hp_weights(e: int, n: int, k: int, dtype: torch.dtype, device: str = DEVICE, edge: bool = False):
+    """High-precision weights ``[E, N, K]``, magnitudes spread over 1e-2..1e2 by expert; ``edge`` puts a NaN,
+    an inf, an all-zero 128x128 tile and a tile of values at E4M3 rounding ties into expert 0."""
+    w = torch.randn(e, n, k) * torch.logspace(-2, 2, e)[:, None, None]
+    if edge:
+        w[0, 3, 5] = float("nan")
+        w[0, 130, 7] = float("inf")
+        w[0, :128, 128:256] = 0
+        w[0, 128:256, 128:256] = 125.5 * torch.sign(w[0, 128:256, 128:256])  # ties at scale 1
+    return w.to(device=device, dtype=dtype)
+
+
+def quantized_operand(w: torch.Tensor, tail: torch.Tensor | None, transpose: bool):
+    """What a high-precision ``b`` stands for: ``quantize_128x128``'s tiles of ``cat([w, tail], 1)`` (transposed)."""
+    data, scale, data_t, scale_t = quantize_128x128_reference(w.cpu(), w_tail=None if tail is None else tail.cpu())
+    return (data_t, scale_t) if transpose else (data, scale)
+
+
+# (rows per expert, W rows (head, tail), W columns, rows past the last end)
+HP_CASES = {
+    "forward": ([128, 0, 200, 60], (256, 0), 384, 9),
+    "with_tail": ([300, 5, 0, 70], (256, 128), 256, 0),
+    "many_tiles": ([300, 0, 1000, 129, 640, 0, 17, 900, 2000, 128], (256, 256), 512, 200),
+}
+
+
+@pytest.mark.parametrize("case", list(HP_CASES))
+@pytest.mark.parametrize("transpose_b", [False, True], ids=["W", "W^T"])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_high_precision_b_is_quantize_128x128_then_fp8(case, transpose_b, w_dtype, launch):
+    """A bf16/fp32 ``b`` (+ tail, transposed or not) quantized by the kernel gives, bit for bit, the output
+    of the FP8 call on ``quantize_128x128``'s tiles of the same weight: same scales, same roundings, and
+    non-finite weights reach the same outputs."""
+    counts, (n_head, n_tail), kw, extra = HP_CASES[case]
+    e = len(counts)
+    w = make_hp_weights(e, n_head, kw, w_dtype, edge=True)
+    tail = make_hp_weights(e, n_tail, kw, w_dtype) if n_tail else None
+    k = n_head + n_tail if transpose_b else kw
+    a, a_scale, offsets = make_rows(counts, k, extra)
+    for out_dtype in OUT_DTYPES:
+        out = launch(a, a_scale, w, None, offsets, out_dtype, b_tail=tail, transpose_b=transpose_b)
+        b, b_scale = (t.to(DEVICE) for t in quantized_operand(w, tail, transpose_b))
+        expected = launch(a, a_scale, b, b_scale, offsets, out_dtype)
+        assert out.shape == expected.shape == (a.shape[0], kw if transpose_b else n_head + n_tail)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+        assert torch.isnan(out.float()).any() and torch.isfinite(out.float()).any()
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("config", mod.HP_B_CONFIGS, ids=str)
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("transpose_b", [False, True], ids=["W", "W^T"])
+def test_every_high_precision_b_config(config, w_dtype, transpose_b):
+    """Each stage count of the quantizing sm90 kernel that fits is bit-exact against the FP8 path, on the
+    many-tiles shape (the ring wraps around many times per program)."""
+    counts, (n_head, n_tail), kw, extra = HP_CASES["many_tiles"]
+    w = make_hp_weights(len(counts), n_head, kw, w_dtype)
+    tail = make_hp_weights(len(counts), n_tail, kw, w_dtype)
+    a, a_scale, offsets = make_rows(counts, n_head + n_tail if transpose_b else kw, extra)
+    b, b_scale = (t.to(DEVICE) for t in quantized_operand(w, tail, transpose_b))
+    for out_dtype in OUT_DTYPES:
+        if mod.sm90_smem_bytes(config, out_dtype, w_dtype) > SM90_SMEM_BYTES:
+            continue
+        out = launch_grouped_gemm_fp8_blockwise_sm90(
+            a, a_scale, w, None, offsets, out_dtype, tail, transpose_b, config=config
+        )
+        expected = launch_grouped_gemm_fp8_blockwise_sm90(a, a_scale, b, b_scale, offsets, out_dtype)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("transpose_b", [False, True], ids=["W", "W^T"])
+def test_high_precision_b_reference_and_op(transpose_b):
+    """The op (CPU: its reference) with a high-precision ``b`` equals the reference on the quantized tiles,
+    and the Triton kernel matches it within the GEMM tolerance."""
+    counts = [128, 0, 256]
+    w = make_hp_weights(3, 256, 128, torch.bfloat16)
+    tail = make_hp_weights(3, 128, 128, torch.bfloat16)
+    a, a_scale, offsets = make_rows(counts, 384 if transpose_b else 128)
+    out = grouped_gemm_fp8_blockwise(a, a_scale, w, None, offsets, torch.float32, b_tail=tail, transpose_b=transpose_b)
+    b, b_scale = quantized_operand(w, tail, transpose_b)
+    check(out, a, a_scale, b.to(DEVICE), b_scale.to(DEVICE), offsets, torch.float32)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("transpose_b", [False, True], ids=["W", "W^T"])
+def test_sm90_high_precision_b_builds_for_hopper(w_dtype, transpose_b):
+    """The quantizing variant of the Gluon kernel compiles for sm_90a with this Triton (both weight dtypes,
+    both orientations, bf16 and fp32 output), its shared memory within Hopper's."""
+    built = build_every_sm90_config(
+        "grouped_gemm_fp8_blockwise",
+        "HP_B_CONFIGS",
+        "build_sm90_kernel",
+        extra=f"8, torch.{str(w_dtype).split('.')[1]}, {transpose_b}",
+        smem_extra=f"torch.{str(w_dtype).split('.')[1]}",
+    )
+    assert built, "no config fits"
+    for config, out_dtype, shared, cubin_bytes in built:
+        assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
+
+
+def test_sm90_default_config_for_high_precision_b():
+    for w_dtype in (torch.bfloat16, torch.float32):
+        for out_dtype in OUT_DTYPES:
+            config = mod.sm90_default_config(7168, w_dtype, out_dtype)
+            assert config.block_n == 128 and mod.sm90_smem_bytes(config, out_dtype, w_dtype) <= SM90_SMEM_BYTES
+    # bf16 weights and output: the E4M3 tile written over its staging slot leaves room for 4 stages
+    assert mod.sm90_default_config(7168, torch.bfloat16).stages == 4
+
+
 def test_sm90_kernel_builds_for_hopper():
     """On any machine: the Gluon kernel compiles to sm_90a cubins with this Triton, every config, both
     output dtypes -- API drift between Triton releases shows up in the CPU suite, not first on a GPU."""
@@ -210,7 +319,7 @@ def test_sm90_refuses_bad_configs(n, config, match):
     a, a_scale, offsets = make_rows([128], 128)
     b, b_scale = make_weights(1, n, 128)
     with pytest.raises(ValueError, match=match):
-        launch_grouped_gemm_fp8_blockwise_sm90(a, a_scale, b, b_scale, offsets, torch.float32, config)
+        launch_grouped_gemm_fp8_blockwise_sm90(a, a_scale, b, b_scale, offsets, torch.float32, config=config)
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
@@ -286,8 +395,8 @@ BAD = [
     ({"a": torch.zeros(256, 256)}, TypeError, "a must have dtype"),
     ({"a": torch.zeros(256, 2, 128, dtype=torch.float8_e4m3fn)}, ValueError, "a must have 2 dims"),
     ({"a_scale": torch.ones(256, 2, dtype=torch.float64)}, TypeError, "a_scale must have dtype"),
-    ({"b": torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn)}, ValueError, "b must have K = 256"),
-    ({"b": torch.zeros(2, 100, 256, dtype=torch.float8_e4m3fn)}, ValueError, "b N"),
+    ({"b": torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn)}, ValueError, "the B operand must have K = 256"),
+    ({"b": torch.zeros(2, 100, 256, dtype=torch.float8_e4m3fn)}, ValueError, "b dim 1"),
     ({"a": torch.zeros(256, 200, dtype=torch.float8_e4m3fn)}, ValueError, "a K"),
     ({"a": torch.zeros(256, 256, dtype=torch.float8_e4m3fn).t()}, ValueError, "a must be row-major"),
     ({"b": torch.zeros(2, 256, 128, dtype=torch.float8_e4m3fn).mT}, ValueError, "b must be contiguous"),
@@ -304,6 +413,51 @@ def test_bad_input(override, error, match):
     args = {**_good(), **override}
     with pytest.raises(error, match=match):
         grouped_gemm_fp8_blockwise(**args)
+
+
+HP_BAD = [
+    ({"b": torch.zeros(2, 128, 256), "b_scale": torch.ones(2, 1, 2)}, ValueError, "b_scale must be None"),
+    ({"b_tail": torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)}, ValueError, "high-precision b only"),
+    ({"transpose_b": True}, ValueError, "high-precision b only"),
+    ({"b": torch.zeros(2, 128, 256), "b_scale": None, "transpose_b": 1}, TypeError, "transpose_b must be a bool"),
+    (
+        {"b": torch.zeros(2, 128, 256), "b_scale": None, "b_tail": torch.zeros(2, 128, 128)},
+        ValueError,
+        "b_tail must be",
+    ),
+    ({"b": torch.zeros(2, 128, 256), "b_scale": None, "b_tail": torch.zeros(2, 100, 256)}, ValueError, "b_tail dim 1"),
+    (
+        {"b": torch.zeros(2, 128, 256), "b_scale": None, "b_tail": torch.zeros(2, 128, 256, dtype=torch.bfloat16)},
+        TypeError,
+        "b_tail must have dtype",
+    ),
+    ({"b": torch.zeros(2, 128, 256, dtype=torch.float16), "b_scale": None}, TypeError, "b must have dtype"),
+    ({"b": torch.zeros(2, 128, 256), "b_scale": None, "transpose_b": True}, ValueError, "the B operand must have K"),
+    ({"b": torch.zeros(2, 128, 256).mT.contiguous().mT, "b_scale": None}, ValueError, "b must be contiguous"),
+]
+
+
+@pytest.mark.parametrize(("override", "error", "match"), HP_BAD, ids=[m for _, _, m in HP_BAD])
+def test_bad_high_precision_b(override, error, match):
+    args = {**_good(), **override}
+    with pytest.raises(error, match=match):
+        grouped_gemm_fp8_blockwise(**args)
+
+
+def test_high_precision_b_dispatch_compile_and_opcheck():
+    a, a_scale, offsets = make_rows([128, 0, 256], 384)
+    w = make_hp_weights(3, 256, 256, torch.bfloat16)
+    tail = make_hp_weights(3, 128, 256, torch.bfloat16)
+    args = (a, a_scale, w, None, offsets, torch.bfloat16)
+    kwargs = {"b_tail": tail, "transpose_b": True}
+    eager = grouped_gemm_fp8_blockwise(*args, **kwargs)
+    compiled = torch.compile(grouped_gemm_fp8_blockwise, fullgraph=True)(*args, **kwargs)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    torch.library.opcheck(
+        torch.ops.fp8flow.grouped_gemm_fp8_blockwise.default,
+        (*args, tail, True),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
 
 
 def test_bad_out_dtype():

@@ -9,7 +9,7 @@ import torch
 from conftest import DEVICE
 from fp8_helpers import sqnr_db
 
-from fp8flow_ao.debug import FP8FlowOpCounter
+from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.grouped_mm import fp8_grouped_mm
 from fp8flow_ao.kernels.permute_pad import padded_rows_bound
 from fp8flow_ao.tensor import to_fp8_blockwise
@@ -185,9 +185,11 @@ def test_fp8_activation_input_is_the_same_gemm(groups, offs_aligned):
 
 @pytest.mark.parametrize("offs_aligned", [True, False], ids=["aligned", "padded"])
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
-def test_backward_keeps_fp8_activations_and_casts_twice(recipe, offs_aligned):
-    """Blockwise saves FP8 A (never BF16), casts 2 activations (A, dOut) and quantizes the weight once;
-    padded or not (the padded A has M_pad rows; the padding gathers save only row maps)."""
+def test_backward_keeps_fp8_activations_and_casts_twice(recipe, offs_aligned, weight_quantization):
+    """Blockwise saves FP8 A (never BF16), casts 2 activations (A, dOut) and quantizes the weight once per
+    GEMM orientation: one quantize_128x128 pass for both, or each GEMM from the weight itself, which
+    backward then keeps by reference (no copy); padded or not (the padded A has M_pad rows; the padding
+    gathers save only row maps)."""
     a, w, offs = _inputs(GROUPS["balanced"])
     rows = a.shape[0] if offs_aligned else padded_rows_bound(a.shape[0], len(GROUPS["balanced"]) + 1)
     saved = []
@@ -204,15 +206,46 @@ def test_backward_keeps_fp8_activations_and_casts_twice(recipe, offs_aligned):
     ]
     if recipe == "blockwise":
         assert hp_activations == []
-        assert {t.dtype for t in saved} <= {FP8, torch.float32, torch.int32}
+        in_gemm = weight_quantization == "in_gemm"
+        kept_weight = [t for t in saved if t.dtype == w.dtype and t.shape == w.shape]
+        assert len(kept_weight) == in_gemm and all(t.data_ptr() == w.data_ptr() for t in kept_weight)
+        assert {t.dtype for t in saved if t.shape != w.shape} <= {FP8, torch.float32, torch.int32}
         assert any(t.dtype == FP8 and t.shape == (rows, K) for t in saved)
-        assert counter.counts["quantize_128x128"] == 1  # dgrad uses the exact transpose, no re-quantize
+        # one pass for both orientations (dgrad uses the exact transpose), or the two GEMMs from W itself
+        assert counter.counts["quantize_128x128"] == (not in_gemm)
+        assert counter.counts[QUANTIZING_GEMMS] == 2 * in_gemm
         assert counter.counts["scaling_aware_transpose"] == 1
         assert counter.counts["dequantize"] == 0
         assert counter.activation_casts == 2
     else:  # torchao's row-wise recipe keeps the high-precision A for its per-expert column scales
         assert len(hp_activations) == 1
         assert counter.counts["quantize_1x128"] == 4  # A, W, dOut, W^T (the wgrad casts are torch ops)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("offs_aligned", [True, False], ids=["aligned", "padded"])
+def test_weight_quantized_in_the_gemms_gives_the_same_bits(offs_aligned, compiled, monkeypatch):
+    """The blockwise op whose GEMMs quantize the bf16 weight as they load it equals, bit for bit, the op
+    that quantizes it with quantize_128x128 first: out, dA and dW (eager, and compiled fullgraph)."""
+    from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as gemm
+
+    a, w, offs = _inputs(GROUPS["skewed"] if offs_aligned else [1, 129, 129, 400])
+    grad_out = None
+    results = {}
+    for rows in (0, 1 << 30):  # the rule's threshold: quantize_128x128 first, then the GEMMs themselves
+        monkeypatch.setattr(gemm, "IN_GEMM_MAX_ROWS_PER_EXPERT", rows)
+        torch._dynamo.reset()  # the rule is read while tracing: trace again for each threshold
+        fn = torch.compile(fp8_grouped_mm, fullgraph=True) if compiled else fp8_grouped_mm
+        out = fn(a, w.transpose(-2, -1), offs, offs_aligned=offs_aligned)
+        grad_out = torch.randn_like(out) if grad_out is None else grad_out
+        results[rows] = (out, *torch.autograd.grad(out, (a, w), grad_out))
+        if not compiled:  # (a dispatch mode and torch.compile do not mix)
+            with FP8FlowOpCounter() as counter:
+                torch.autograd.grad(fn(a, w.transpose(-2, -1), offs, offs_aligned=offs_aligned), (a, w), grad_out)
+            assert counter.counts["quantize_128x128"] == (rows == 0)
+            assert counter.counts[QUANTIZING_GEMMS] == 2 * (rows != 0)
+    for name, x, y in zip(("out", "dA", "dW"), *results.values(), strict=True):
+        assert torch.equal(x, y), name
 
 
 def test_misaligned_offsets_raise():

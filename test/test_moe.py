@@ -17,7 +17,7 @@ import torch
 from conftest import DEVICE
 from fp8_helpers import sqnr_db
 
-from fp8flow_ao.debug import FP8FlowOpCounter
+from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.moe import FP8FlowMoE, convert_moe_layer, fp8flow_routed_experts
 from fp8flow_ao.torchtitan.cpu import integer_histc
 
@@ -215,11 +215,28 @@ def test_two_activation_casts_per_step(runs, recompute, routing):
     """Forward x and backward dy are the only explicit BF16->FP8 casts; weights quantized once each."""
     counts = runs[routing][recompute]["counts"]
     assert counts["quantize_1x128"] == 2 and counts["quantize_dual_1x128"] == 0
-    # W13 = [w1; w3] (one pass, one buffer) and w2 in forward; their exact transposes in backward
-    assert counts["quantize_128x128"] == 4
+    # Few rows per expert here: each GEMM quantizes its weight tiles as it loads them (FC1, FC2, the two
+    # dgrads, FC1 again when recomputed); no quantize_128x128 pass (test_weights_quantized_in_the_gemms...).
+    assert counts["quantize_128x128"] == 0 and counts[QUANTIZING_GEMMS] == 4 + recompute
     assert counts["dequantize"] == 0
     assert counts["grouped_gemm_fp8_blockwise"] == 4 + recompute  # FC1, FC2, 2 dgrads (+ FC1 again)
     assert counts["swiglu_quant"] == 1 + recompute
+
+
+@pytest.mark.parametrize("routing", ["skewed", "llama4_skewed"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_weights_quantized_in_the_gemms_or_before_give_the_same_bits(runs, routing, recompute, weight_quantization):
+    """The layer's GEMMs quantizing the BF16 weights themselves ("in_gemm") or reading quantize_128x128's
+    tiles ("separate": W13 = [w1; w3] and w2 in forward, their exact transposes in backward, 4 passes):
+    output and every gradient bit-identical, stored and recomputed, both score placements."""
+    run = runs[routing]
+    with FP8FlowOpCounter() as counter:
+        ours = run_step(convert_moe_layer(copy.deepcopy(run["model"]), recompute_experts=recompute), *run["inputs"])
+    for key in ("out", "x", *PARAMS):
+        assert torch.equal(ours[key], run[recompute][key]), key
+    in_gemm = weight_quantization == "in_gemm"
+    assert counter.counts["quantize_128x128"] == (0 if in_gemm else 4)
+    assert counter.counts[QUANTIZING_GEMMS] == (4 + recompute if in_gemm else 0)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])

@@ -17,7 +17,7 @@ from conftest import DEVICE
 from torch.utils.checkpoint import checkpoint
 
 from fp8flow_ao.config import FP8FlowConfig
-from fp8flow_ao.debug import FP8FlowOpCounter
+from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.moe import fp8flow_routed_experts
 from fp8flow_ao.weight_cache import (
     EXPERT_WEIGHT_CACHE,
@@ -173,7 +173,7 @@ def _assert_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
-def test_modes_are_bit_identical_and_quantize_as_promised(recompute):
+def test_modes_are_bit_identical_and_quantize_as_promised(recompute, weight_quantization):
     x, probs, ids, grad, weights = _layer_inputs()
     results, counts = {}, {}
     for mode in WEIGHT_CACHE_MODES:
@@ -184,12 +184,14 @@ def test_modes_are_bit_identical_and_quantize_as_promised(recompute):
                 )
                 for _ in range(2)
             ]
-        counts[mode] = counter.counts["quantize_128x128"]
+        counts[mode] = (counter.counts["quantize_128x128"], counter.counts[QUANTIZING_GEMMS])
         _assert_identical(results[mode][0], results["off"][0])
         _assert_identical(results[mode][1], results["off"][0])
-    # per micro-batch: "off" W13 + w2 in forward and again in backward; "forward" both in one pass each;
+    # per micro-batch: "off" W13 + w2 in forward and again in backward, or (few rows per expert) each of the
+    # 4 GEMMs (+ FC1's recompute) quantizing as it loads; "forward" both orientations in one pass each;
     # "step" once for both micro-batches (the second is a cache hit)
-    assert counts == {"off": 8, "forward": 4, "step": 2}
+    off = (0, 2 * (4 + recompute)) if weight_quantization == "in_gemm" else (8, 0)
+    assert counts == {"off": off, "forward": (4, 0), "step": (2, 0)}
 
 
 def test_backward_quantizes_only_what_its_gemms_read():
@@ -205,8 +207,12 @@ def test_backward_quantizes_only_what_its_gemms_read():
     assert fc2.w2_t is not None and fc2.w13 is None and fc2.w13_t is None
 
 
-def test_step_cache_follows_weight_updates_between_micro_batches():
+def test_step_cache_follows_weight_updates_between_micro_batches(monkeypatch):
     """Gradient accumulation, then an optimizer step, then a manual edit: never a stale weight."""
+    from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise
+
+    # the "off" twin quantizes with quantize_128x128 too, so the counts below are the cache's alone
+    monkeypatch.setattr(grouped_gemm_fp8_blockwise, "IN_GEMM_MAX_ROWS_PER_EXPERT", 0)
     x, probs, ids, grad, weights = _layer_inputs()
     fresh = [w.detach().clone().requires_grad_() for w in weights]  # the "off" twin, updated alike
 

@@ -44,6 +44,36 @@ SM90_SMEM_BYTES = 227 * 1024
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
+def _fp8_view_of_slots(reinterpret_name: str) -> Any:
+    """:func:`fp8_view_of_slots` for a Triton whose shared-memory views reinterpret by ``reinterpret_name``
+    (3.6: ``_reinterpret``; 3.9: ``reinterpret``): one jit function per name, picked once at import."""
+    if reinterpret_name == "reinterpret":
+
+        @gluon.jit
+        def view(bufs, layout: gl.constexpr):
+            STAGES: gl.constexpr = bufs.type.shape[0]
+            ROWS: gl.constexpr = bufs.type.shape[1] * bufs.dtype.primitive_bitwidth // 8
+            return bufs.reinterpret(gl.float8e4nv, [STAGES, ROWS, bufs.type.shape[2]], layout)
+
+    else:
+
+        @gluon.jit
+        def view(bufs, layout: gl.constexpr):
+            STAGES: gl.constexpr = bufs.type.shape[0]
+            ROWS: gl.constexpr = bufs.type.shape[1] * bufs.dtype.primitive_bitwidth // 8
+            return bufs._reinterpret(gl.float8e4nv, [STAGES, ROWS, bufs.type.shape[2]], layout)
+
+    return view
+
+
+# fp8_view_of_slots(bufs, layout): ring slots ``[STAGES, R, C]`` of any dtype seen as E4M3 ``[STAGES, R *
+# itemsize, C]`` (``layout``: the E4M3 view's shared layout), each slot's bytes where they were, so an
+# E4M3 tile can be written over the first bytes of the slot it was made from.
+fp8_view_of_slots = _fp8_view_of_slots(
+    "reinterpret" if hasattr(gl.shared_memory_descriptor, "reinterpret") else "_reinterpret"
+)
+
+
 @dataclass(frozen=True)
 class Sm90Config:
     """Launch settings of an sm90 kernel: tiles of 128 rows x ``block_n`` (128 or 256) columns,

@@ -6,6 +6,17 @@ K-major ``[E, N, K]`` with 128x128 scales ``[E, N/128, K/128]``. For dgrad the c
 exact FP8 transpose of the forward weight (``[E, K, N]`` data, ``[E, K/128, N/128]`` scales: 128x128
 blocks are symmetric under transpose), so the same op serves both.
 
+Or ``b`` is the high-precision weight itself (bf16/fp32 ``W [E, Nw, Kw]``, optionally with ``b_tail``
+rows joined below it: the MoE layer's ``W13 = [w1; w3]``), and the kernel quantizes each 128x128 tile
+of ``W`` as it loads it (``transpose_b=True``: ``W``'s tiles transposed, the dgrad operand): the same
+scale rule and rounding as :func:`~fp8flow_ao.kernels.quantize_128x128.quantize_128x128`, so the result
+is bit for bit that of ``quantize_128x128`` followed by the FP8 call, without the FP8 weight copy
+ever existing in memory. That trades weight bytes for GEMM work: the high-precision tile is read once
+per 128-row M tile (2 bytes for bf16 where the FP8 path reads 1, but no separate quantize pass that
+reads 2 and writes 1-2), and every M tile quantizes its tiles again. It pays where experts have few
+rows (fine-grained experts: each weight tile serves one or two M tiles, the GEMM is bound by weight
+bytes) and costs where they have many (see ``benchmarks/results/grouped_gemm_notes.md``).
+
 Two kernels share one contract. Both walk (128-row M tile, N tile) pairs on a persistent
 grid; groups start on multiples of 128, so an M tile never straddles two experts, and each tile finds
 its expert from the group end offsets on the device (no host sync). Operands arrive by TMA; per
@@ -19,7 +30,10 @@ or past the last group end read nothing and store zeros, so the whole output is 
   mbarrier arrival, consumer 1 issuing each block's MMA after consumer 0, so one's promotion (FFMAs
   on the CUDA cores) runs under the other's MMAs -- the overlap the Triton kernel cannot express
   (its CTA-wide barriers and wait-for-every-MMA promotion serialize the tensor cores;
-  benchmarks/results/grouped_gemm_notes.md).
+  benchmarks/results/grouped_gemm_notes.md). With a high-precision ``b`` a fourth partition, one
+  quantizer warpgroup, turns each landed weight tile into E4M3 in place (the FP8 tile is written over
+  the first bytes of its own staging slot, and its scale beside it) before the consumers are
+  released: tiles of 128x128, whose scale is one number.
 * ``triton`` (``tl.dot``): any TMA-capable GPU and the CPU interpreter; autotuned.
 """
 
@@ -32,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from fp8flow_ao._checks import (
     check_contiguous,
@@ -44,7 +58,7 @@ from fp8flow_ao._checks import (
     check_shape,
     check_tensor,
 )
-from fp8flow_ao._format import BLOCK, dequantize_rows_reference
+from fp8flow_ao._format import BLOCK, FP8_DTYPE, dequantize_rows_reference
 from fp8flow_ao.kernels._grouped_gemm_common import (
     BLOCK_K,
     autotuned,
@@ -61,12 +75,14 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._sm90_common import (
     SM90_BLOCK,
+    SM90_SMEM_BYTES,
     WG_ROWS,
     Sm90Config,
     check_sm90_launch,
     compile_for_sm90,
     descriptor,
     descriptor_signature,
+    fp8_view_of_slots,
     sm90_first_mma,
     sm90_or,
     sm90_ring_barriers,
@@ -75,8 +91,26 @@ from fp8flow_ao.kernels._sm90_common import (
     sm90_store_halves,
     tma_load,
 )
+from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
+from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128_reference
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
+# High-precision weights the kernels quantize as they load them.
+HP_B_DTYPES = (torch.bfloat16, torch.float32)
+# Rows per expert (padded, on average) up to which a bf16 weight is best quantized inside the GEMM rather
+# than by quantize_128x128 before it: provisional, to be set from `bench_grouped_gemm_fp8_blockwise.py
+# --weights` (grouped_gemm_weights.md).
+IN_GEMM_MAX_ROWS_PER_EXPERT = 512
+
+
+def quantize_in_gemm_pays(rows: int, experts: int, w_dtype: torch.dtype) -> bool:
+    """Whether a grouped GEMM over ``rows`` padded rows of ``experts`` experts is faster given its
+    ``w_dtype`` weight to quantize tile by tile as it loads it (``b`` high precision) than given
+    ``quantize_128x128``'s tiles made just before it. Both give the same bits; the in-kernel path reads the
+    high-precision tile once per 128-row M tile and skips the separate pass, so it wins where experts have
+    few rows: :data:`IN_GEMM_MAX_ROWS_PER_EXPERT`, bf16 weights (static shapes only: no host sync)."""
+    return w_dtype == torch.bfloat16 and rows <= IN_GEMM_MAX_ROWS_PER_EXPERT * experts
+
 
 # Launch configs, from the sweeps in benchmarks/results/grouped_gemm_notes.md (H200):
 # * 128x128 tiles, 8 warps = 2 consumer warpgroups of 64 rows: the fp32 accumulator and the fp32
@@ -93,20 +127,41 @@ INTERPRET_CONFIG = gemm_config(128, 128, num_warps=8, num_stages=1, group_m=2)
 
 
 @triton.jit
+def _quantized_weight_tile(w_ptr, tail_ptr, e, r, c, N_HEAD, N_TAIL, KW, TILE: tl.constexpr):
+    """The 128x128 tile of ``W = cat([w, tail], 1)`` (``[E, N_HEAD + N_TAIL, KW]``) at rows ``r``, columns
+    ``c`` of expert ``e``, quantized as ``quantize_128x128`` does: ``(E4M3 tile, scale_inv)``. A tile lies in
+    one input (``N_HEAD`` is a multiple of 128): one scalar branch."""
+    rows = (tl.arange(0, TILE) + r).to(tl.int64)
+    cols = (tl.arange(0, TILE) + c).to(tl.int64)
+    if r < N_HEAD:
+        src = w_ptr + e.to(tl.int64) * N_HEAD * KW + rows[:, None] * KW + cols[None, :]
+    else:
+        src = tail_ptr + e.to(tl.int64) * N_TAIL * KW + (rows - N_HEAD)[:, None] * KW + cols[None, :]
+    x = tl.load(src).to(tl.float32)
+    scale_inv, scale = pow2_scale_inv_and_scale(tl.max(nan_ignoring_amax(x, axis=1), axis=0))
+    return (x * scale).to(tl.float8e4nv), scale_inv
+
+
+@triton.jit
 def _grouped_gemm_fp8_blockwise_kernel(
     a_ptr,
     a_scale_ptr,
     b_ptr,
     b_scale_ptr,
+    tail_ptr,
     out_ptr,
     ends_ptr,
     M,
     N,
     K,
     E,
+    N_HEAD,
+    N_TAIL,
     stride_am,
     stride_asm,
     E_POW2: tl.constexpr,
+    QUANTIZE_B: tl.constexpr,
+    TRANSPOSE_B: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -114,16 +169,20 @@ def _grouped_gemm_fp8_blockwise_kernel(
 ):
     """Persistent blockwise FP8 grouped GEMM; a tile spans one 128-column weight block (one scale_b).
 
-    a ``[M, K]`` (row stride ``stride_am``), a_scale ``[M, K/128]`` (row stride ``stride_asm``),
-    b ``[E, N, K]`` contiguous, b_scale ``[E, N/128, K/128]`` contiguous, out ``[M, N]`` contiguous,
-    ends ``[E]`` int32 group end offsets.
+    a ``[M, K]`` (row stride ``stride_am``), a_scale ``[M, K/128]`` (row stride ``stride_asm``), out
+    ``[M, N]`` contiguous, ends ``[E]`` int32 group end offsets. FP8 ``b`` ``[E, N, K]`` contiguous with
+    b_scale ``[E, N/128, K/128]``; or (``QUANTIZE_B``) the high-precision weight ``W = cat([b, tail], 1)``,
+    ``b`` ``[E, N_HEAD, KW]`` and ``tail`` ``[E, N_TAIL, KW]`` contiguous, whose tiles (transposed with
+    ``TRANSPOSE_B``) are quantized here; b_scale is then unused.
     """
     tl.static_assert(BLOCK_N == BLOCK_K, "one 128-column weight block per tile: one scale_b per K block")
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
-    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    if not QUANTIZE_B:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
     k_blocks = K // BLOCK_K
     n_scale_blocks = N // BLOCK_K
+    kw = K if not TRANSPOSE_B else N  # W's row length
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     # Only M tiles before the last group end do work; their count is read on the device. (Flattening
@@ -141,10 +200,18 @@ def _grouped_gemm_fp8_blockwise_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in range(k_blocks):
             a = a_desc.load([m0, kb * BLOCK_K])
-            b = b_desc.load([e * N + n0, kb * BLOCK_K])
             sa = tl.load(a_scale_rows + kb, mask=rows < M, other=0.0)
-            sb = tl.load(b_scale_row + (n0 // BLOCK_K) * k_blocks + kb)
-            acc = tl.dot(a, b.T) * (sa[:, None] * sb) + acc
+            if QUANTIZE_B:
+                # W's tile [n, k] (forward), or [k, n] of the transposed operand, already the dot's RHS.
+                if TRANSPOSE_B:
+                    b_t, sb = _quantized_weight_tile(b_ptr, tail_ptr, e, kb * BLOCK_K, n0, N_HEAD, N_TAIL, kw, BLOCK_K)
+                else:
+                    b, sb = _quantized_weight_tile(b_ptr, tail_ptr, e, n0, kb * BLOCK_K, N_HEAD, N_TAIL, kw, BLOCK_K)
+                    b_t = b.T
+            else:
+                b_t = b_desc.load([e * N + n0, kb * BLOCK_K]).T
+                sb = tl.load(b_scale_row + (n0 // BLOCK_K) * k_blocks + kb)
+            acc = tl.dot(a, b_t) * (sa[:, None] * sb) + acc
         out_desc.store([m0, n0], acc.to(out_ptr.dtype.element_ty))
     # Tiles at or past the last group end: zeros, so the whole output is defined; nothing is read.
     zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
@@ -155,25 +222,41 @@ def _grouped_gemm_fp8_blockwise_kernel(
 _grouped_gemm_fp8_blockwise_tuned = autotuned(FORWARD_CONFIGS)(_grouped_gemm_fp8_blockwise_kernel)
 
 
+def _b_dims(b: torch.Tensor, b_tail: torch.Tensor | None, transpose_b: bool) -> tuple[int, int, int, int, int]:
+    """``(E, N, K, N_HEAD, N_TAIL)`` of the operand ``B [E, N, K]``: ``b`` itself when FP8; for a
+    high-precision ``W = cat([b, b_tail], 1)`` ``[E, N_HEAD + N_TAIL, KW]``, ``W`` or (``transpose_b``) ``W^T``.
+    Without a tail ``N_TAIL = 0``."""
+    e, n_head, kw = b.shape
+    n_tail = 0 if b_tail is None else b_tail.shape[1]
+    nw = n_head + n_tail
+    n, k = (kw, nw) if transpose_b else (nw, kw)
+    return e, n, k, n_head, n_tail
+
+
 def _output_and_dims(
-    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
-) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
-    """Both launchers' start: the uninitialized output, ``(M, N, K, E)``, TMA checks when M > 0."""
-    m, k = a.shape
-    e, n, _ = b.shape
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, b_tail: torch.Tensor | None, transpose_b: bool
+) -> tuple[torch.Tensor, tuple[int, int, int, int, int, int]]:
+    """Both launchers' start: the uninitialized output, ``(M, N, K, E, N_HEAD, N_TAIL)``, TMA checks when M > 0."""
+    m = a.shape[0]
+    e, n, k, n_head, n_tail = _b_dims(b, b_tail, transpose_b)
     if m:
         check_tma_operand("a", a)
         check_tma_operand("b", b)
-    return torch.empty((m, n), dtype=out_dtype, device=a.device), (m, n, k, e)
+        if b_tail is not None:
+            check_tma_operand("b_tail", b_tail)
+    return torch.empty((m, n), dtype=out_dtype, device=a.device), (m, n, k, e, n_head, n_tail)
 
 
 def launch_grouped_gemm_fp8_blockwise_triton(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     b: torch.Tensor,
-    b_scale: torch.Tensor,
+    b_scale: torch.Tensor | None,
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
+    b_tail: torch.Tensor | None = None,
+    transpose_b: bool = False,
+    *,
     config: triton.Config | None = None,
 ) -> torch.Tensor:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`grouped_gemm_fp8_blockwise`.
@@ -181,27 +264,33 @@ def launch_grouped_gemm_fp8_blockwise_triton(
     ``config`` pins one launch config (tests, config sweeps); by default the GPU autotunes over
     :data:`FORWARD_CONFIGS` and the interpreter runs :data:`INTERPRET_CONFIG`.
     """
-    out, (m, n, k, e) = _output_and_dims(a, b, out_dtype)
+    out, (m, n, k, e, n_head, n_tail) = _output_and_dims(a, b, out_dtype, b_tail, transpose_b)
     if m == 0:
         return out
     set_tma_workspace_allocator(a.device)
     grid = persistent_grid(a.device, lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]))
+    quantize_b = b.dtype != FP8_DTYPE
     launch(
         _grouped_gemm_fp8_blockwise_tuned,
         grid,
         a,
         a_scale,
         b,
-        b_scale,
+        a_scale if b_scale is None else b_scale,  # unread when the kernel quantizes b
+        b if b_tail is None else b_tail,  # without a tail the branch that reads it is never taken
         out,
         group_end_offsets,
         m,
         n,
         k,
         e,
+        n_head,
+        n_tail,
         a.stride(0),
         a_scale.stride(0),
         E_POW2=triton.next_power_of_2(e),
+        QUANTIZE_B=quantize_b,
+        TRANSPOSE_B=transpose_b,
         config=INTERPRET_CONFIG if config is None and interpreting() else config,
     )
     return out
@@ -219,6 +308,9 @@ SM90_CONFIGS = [
     Sm90Config(256, 4, 8),
     Sm90Config(128, 4, 8, ordered=True),
 ]
+
+# With a high-precision B (quantized in the kernel): 128x128 tiles, the stages that fit (sm90_default_config).
+HP_B_CONFIGS = [Sm90Config(128, 4, 8), Sm90Config(128, 3, 8), Sm90Config(128, 2, 8)]
 
 
 @gluon.jit
@@ -239,9 +331,24 @@ def _sm90_tiles(ends_ptr, M, N, E, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _sm90_producer(E_POW2: gl.constexpr, GROUP_M: gl.constexpr, a_desc, b_desc, ring, problem):
-    """One warp: TMA loads of the A and B tiles of every K block of every live tile into the ring."""
+def _sm90_producer(
+    E_POW2: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    QUANTIZE_B: gl.constexpr,
+    TRANSPOSE_B: gl.constexpr,
+    a_desc,
+    b_descs,
+    ring,
+    problem,
+):
+    """One warp: TMA loads of the A and B tiles of every K block of every live tile into the ring.
+
+    ``b_descs = (b_desc, tail_desc, N_HEAD, N_TAIL)``. FP8 B: ``b_desc`` over ``[E * N, K]``, BLOCK_N x
+    128 boxes (``tail_desc`` unused). High-precision B (``QUANTIZE_B``): ``W = cat([b, tail], 1)``,
+    ``b_desc`` over ``[E * N_HEAD, KW]`` and ``tail_desc`` over ``[E * N_TAIL, KW]``, 128x128 boxes; the
+    tile at W rows ``r`` and columns ``c`` is this tile's ``[n, k]`` (``[k, n]`` with ``TRANSPOSE_B``)."""
     a_bufs, b_bufs, ready, empty, _ = ring
+    b_desc, tail_desc, N_HEAD, N_TAIL = b_descs
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -256,24 +363,88 @@ def _sm90_producer(E_POW2: gl.constexpr, GROUP_M: gl.constexpr, a_desc, b_desc, 
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             tma_load(a_desc, [pid_m * SM90_BLOCK, kb * SM90_BLOCK], ready.index(s), a_bufs.index(s))
-            tma_load(b_desc, [e * N + pid_n * BLOCK_N, kb * SM90_BLOCK], ready.index(s), b_bufs.index(s))
+            if not QUANTIZE_B:
+                tma_load(b_desc, [e * N + pid_n * BLOCK_N, kb * SM90_BLOCK], ready.index(s), b_bufs.index(s))
+            else:
+                r = kb * SM90_BLOCK if TRANSPOSE_B else pid_n * SM90_BLOCK
+                c = pid_n * SM90_BLOCK if TRANSPOSE_B else kb * SM90_BLOCK
+                # A tile lies in one input (N_HEAD is a multiple of 128): one scalar branch.
+                if r < N_HEAD:
+                    tma_load(b_desc, [e * N_HEAD + r, c], ready.index(s), b_bufs.index(s))
+                else:
+                    tma_load(tail_desc, [e * N_TAIL + r - N_HEAD, c], ready.index(s), b_bufs.index(s))
             it += 1
 
 
 @gluon.jit
+def _sm90_quantizer(TRANSPOSE_B: gl.constexpr, w_bufs, ready, quantized, problem):
+    """One warpgroup (high-precision B only): each landed 128x128 weight tile -> E4M3 with one
+    power-of-two scale, as ``quantize_128x128`` computes it, written (transposed with ``TRANSPOSE_B``)
+    over the first bytes of its own staging slot and its scale into ``q_scales``; then ``qready`` releases
+    the consumers. The writes may overwrite the slot in place: the tile's amax is a reduction over every
+    thread's loaded values, so no thread stores before all have read.
+
+    Register layouts chosen with ``gl.bank_conflicts`` (triton 3.6, sm_90a): forward, 16-byte loads and
+    8-byte stores with no conflicts; transposed, ``ldmatrix`` loads (no conflicts) and 16-byte stores
+    with one extra wavefront each, where the forward layout would store single bytes 16-way conflicted."""
+    q_bufs, q_scales, qready = quantized
+    ends_ptr, M, N, K, E = problem
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    if TRANSPOSE_B:
+        layout: gl.constexpr = gl.BlockedLayout([16, 2], [1, 32], [4, 1], [1, 0])
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    scale_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E, SM90_BLOCK)
+    # The ring's slots in the producer's order: this program's live tiles times their K blocks.
+    tiles = gl.cdiv(gl.maximum(live_m * num_n - gl.program_id(0), 0), gl.num_programs(0))
+    for it in range(tiles * (K // SM90_BLOCK)):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        w = w_bufs.index(s).load(layout)
+        # The amax in the weight's own dtype (a max is exact in any precision), so the tile stays packed
+        # in registers; max skips NaN (maxnum), and pow2_scale_inv_and_scale floors an all-NaN tile like
+        # a zero one: the scale quantize_128x128's nan_free_abs gives.
+        amax = gl.max(gl.max(gl.abs(w), axis=1), axis=0).to(gl.float32)
+        scale_inv, scale = pow2_scale_inv_and_scale(amax)
+        q = (w.to(gl.float32) * scale).to(gl.float8e4nv)
+        if TRANSPOSE_B:
+            q = gl.permute(q, (1, 0))
+        q_bufs.index(s).slice(0, SM90_BLOCK).store(q)
+        q_scales.index(s).store(gl.zeros([WG_ROWS], gl.float32, scale_layout) + scale_inv)
+        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads them
+        mbarrier.arrive(qready.index(s), count=1)
+
+
+@gluon.jit
 def _sm90_consumer(
-    WG: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr, ORDERED: gl.constexpr, ring, out, scales, problem
+    WG: gl.constexpr,
+    E_POW2: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    ORDERED: gl.constexpr,
+    QUANTIZE_B: gl.constexpr,
+    ring,
+    out,
+    scales,
+    problem,
+    q_scales,
 ):
     """One warpgroup: rows ``[64 WG, 64 WG + 64)`` of every tile -- MMAs, promotion, TMA stores.
 
     A 128x256 tile is computed as two 128-column halves, one after the other (two 64x128 fp32
-    accumulators plus one partial: 192 registers; a single 64x256 partial would not fit)."""
+    accumulators plus one partial: 192 registers; a single 64x256 partial would not fit). B's scales
+    come from ``b_scale`` in global memory, or (``QUANTIZE_B``) from the quantizer's ``q_scales`` slot,
+    which ``ready`` (here the quantizer's ``qready``) guarantees written; ``b_bufs`` then holds 128-row
+    tiles at the start of taller slots."""
     a_bufs, b_bufs, ready, empty, turn = ring
     out_desc, out_bufs = out
     a_scale_ptr, stride_as, b_scale_ptr = scales
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    if QUANTIZE_B:
+        BLOCK_N: gl.constexpr = SM90_BLOCK
+    else:
+        BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     HALVES: gl.constexpr = BLOCK_N // SM90_BLOCK
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SM90_BLOCK, 32]
@@ -284,16 +455,17 @@ def _sm90_consumer(
     it = 0
     for tile in range(gl.program_id(0), live_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile, live_m, num_n, GROUP_M)
-        e = _sm90_expert_of_row(ends_ptr, pid_m * SM90_BLOCK, E, E_POW2, 4)
         m0 = pid_m * SM90_BLOCK + WG * WG_ROWS
         rows = m0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, mma))
         sa_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_as
-        sb_ptr0 = b_scale_ptr + (e.to(gl.int64) * (N // SM90_BLOCK) + pid_n * HALVES) * k_blocks
-        sb_ptr1 = sb_ptr0 + (HALVES - 1) * k_blocks
         # Row mask: only unvalidated, malformed offsets (a last end past M) can put rows past M here.
         sa = gl.load(sa_ptrs, mask=rows < M, other=0.0)
-        sb0 = gl.load(sb_ptr0)
-        sb1 = gl.load(sb_ptr1)
+        if not QUANTIZE_B:
+            e = _sm90_expert_of_row(ends_ptr, pid_m * SM90_BLOCK, E, E_POW2, 4)
+            sb_ptr0 = b_scale_ptr + (e.to(gl.int64) * (N // SM90_BLOCK) + pid_n * HALVES) * k_blocks
+            sb_ptr1 = sb_ptr0 + (HALVES - 1) * k_blocks
+            sb0 = gl.load(sb_ptr0)
+            sb1 = gl.load(sb_ptr1)
         acc0 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
         acc1 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
         for kb in range(k_blocks):
@@ -302,8 +474,11 @@ def _sm90_consumer(
             # The next block's scales load while this block multiplies (clamped on the last block).
             nxt = gl.minimum(kb + 1, k_blocks - 1)
             sa_next = gl.load(sa_ptrs + nxt, mask=rows < M, other=0.0)
-            sb0_next = gl.load(sb_ptr0 + nxt)
-            sb1_next = gl.load(sb_ptr1 + nxt)
+            if QUANTIZE_B:
+                sb0 = q_scales.index(s).load(gl.SliceLayout(1, mma))
+            else:
+                sb0_next = gl.load(sb_ptr0 + nxt)
+                sb1_next = gl.load(sb_ptr1 + nxt)
             part = warpgroup_mma_wait(0, deps=(part,))
             if HALVES == 1:
                 mbarrier.arrive(empty.index(s), count=1)
@@ -314,8 +489,9 @@ def _sm90_consumer(
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = part * (sa * sb1)[:, None] + acc1
             sa = sa_next
-            sb0 = sb0_next
-            sb1 = sb1_next
+            if not QUANTIZE_B:
+                sb0 = sb0_next
+                sb1 = sb1_next
             it += 1
         sm90_store_halves(out_desc, out_s, acc0, acc1, m0, pid_n * BLOCK_N, HALVES)
     # Tiles at or past the last group end: zeros, so the whole output is defined; nothing is read.
@@ -331,6 +507,7 @@ def _sm90_consumer(
 def _grouped_gemm_fp8_blockwise_sm90_kernel(
     a_desc,
     b_desc,
+    tail_desc,
     out_desc,
     a_scale_ptr,
     stride_as,
@@ -340,18 +517,26 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     N,
     K,
     E,
+    N_HEAD,
+    N_TAIL,
     E_POW2: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     ORDERED: gl.constexpr,
+    QUANTIZE_B: gl.constexpr,
+    TRANSPOSE_B: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    QUANTIZER_REGS: gl.constexpr,
 ):
     """Warp-specialized persistent blockwise FP8 grouped GEMM (Hopper).
 
-    a_desc: ``[M, K]`` E4M3 rows, 128x128 boxes; b_desc: ``[E * N, K]`` E4M3 (the ``[E, N, K]``
-    weights flattened), BLOCK_N x 128 boxes (BLOCK_N 128 or 256); out_desc: ``[M, N]``, 64x128
-    boxes (one per consumer and half); a_scale ``[M, K/128]`` (row stride ``stride_as``), b_scale ``[E, N/128, K/128]`` contiguous,
-    ends ``[E]`` int32. Partitions: two consumer warpgroups (the default one and a worker, 232
-    registers each) and one producer warp (40 registers).
+    a_desc: ``[M, K]`` E4M3 rows, 128x128 boxes; out_desc: ``[M, N]``, 64x128 boxes (one per consumer
+    and half); a_scale ``[M, K/128]`` (row stride ``stride_as``), ends ``[E]`` int32. B: b_desc over
+    ``[E * N, K]`` E4M3 (the ``[E, N, K]`` weights flattened), BLOCK_N x 128 boxes (BLOCK_N 128 or 256),
+    b_scale ``[E, N/128, K/128]`` contiguous; or (``QUANTIZE_B``) a high-precision weight (128x128 boxes, ``tail_desc`` and ``N_HEAD``/``N_TAIL`` as in :func:`_sm90_producer`), quantized in
+    the kernel, b_scale unused. Partitions: two consumer warpgroups (the default one and a worker,
+    ``CONSUMER_REGS`` registers each), one producer warp (40 registers) and, for a high-precision B,
+    one quantizer warpgroup (``QUANTIZER_REGS``).
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -361,93 +546,186 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     problem = (ends_ptr, M, N, K, E)
     scales = (a_scale_ptr, stride_as, b_scale_ptr)
     out = (out_desc, out_bufs)
-    gl.warp_specialize(
-        [
-            (_sm90_consumer, (0, E_POW2, GROUP_M, ORDERED, ring, out, scales, problem)),
-            (_sm90_consumer, (1, E_POW2, GROUP_M, ORDERED, ring, out, scales, problem)),
-            (_sm90_producer, (E_POW2, GROUP_M, a_desc, b_desc, ring, problem)),
-        ],
-        [4, 1],
-        [232, 40],
-    )
+    b_descs = (b_desc, tail_desc, N_HEAD, N_TAIL)
+    if not QUANTIZE_B:
+        gl.warp_specialize(
+            [
+                (_sm90_consumer, (0, E_POW2, GROUP_M, ORDERED, False, ring, out, scales, problem, None)),
+                (_sm90_consumer, (1, E_POW2, GROUP_M, ORDERED, False, ring, out, scales, problem, None)),
+                (_sm90_producer, (E_POW2, GROUP_M, False, False, a_desc, b_descs, ring, problem)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 40],
+        )
+    else:
+        # The E4M3 tile of each slot lies over the first 16 KiB of the slot's high-precision tile.
+        rows_per_slot: gl.constexpr = SM90_BLOCK * b_desc.dtype.primitive_bitwidth // 8
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([rows_per_slot, SM90_BLOCK], gl.float8e4nv)
+        q_bufs = fp8_view_of_slots(b_bufs, q_layout)
+        # One scale per slot, as a 64-row vector (the consumers' row layout); 4 slots: shapes are powers of 2.
+        gl.static_assert(STAGES <= 4, "q_scales holds 4 slots")
+        q_scales = gl.allocate_shared_memory(gl.float32, [4, WG_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        qready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(qready.index(i), count=1)
+        quantized = (q_bufs, q_scales, qready)
+        q_ring = (a_bufs, q_bufs, qready, empty, turn)
+        gl.warp_specialize(
+            [
+                (_sm90_consumer, (0, E_POW2, GROUP_M, ORDERED, True, q_ring, out, scales, problem, q_scales)),
+                (_sm90_consumer, (1, E_POW2, GROUP_M, ORDERED, True, q_ring, out, scales, problem, q_scales)),
+                (_sm90_producer, (E_POW2, GROUP_M, True, TRANSPOSE_B, a_desc, b_descs, ring, problem)),
+                (_sm90_quantizer, (TRANSPOSE_B, b_bufs, ready, quantized, problem)),
+            ],
+            [4, 1, 4],
+            [CONSUMER_REGS, 40, QUANTIZER_REGS],
+        )
 
 
-def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype) -> int:
-    """Shared memory of the sm90 forward kernel with ``config`` and ``out_dtype``."""
-    return config.smem_bytes(out_dtype)
+# Registers per thread of the consumer and quantizer partitions by B's dtype (setmaxnreg; the producer
+# warp keeps 40). FP8 B: 232 per consumer (two 64x128 accumulators + a partial at 128x256 tiles).
+# High-precision B: the quantizer warpgroup takes its share of the 64K registers (two consumer
+# warpgroups + the quantizer + the producer's warpgroup <= 512 per thread in all), so the consumers
+# (128x128 tiles: one accumulator + a partial) get less; a bf16 tile stays packed in the quantizer's
+# registers (64 of them), an fp32 one needs 128. ptxas (triton 3.6, sm_90a) spills nothing at these (fp32 at 168 / 136: 44 bytes).
+SM90_REGS = {FP8_DTYPE: (232, 0), torch.bfloat16: (184, 104), torch.float32: (160, 152)}
 
 
-def sm90_default_config(n: int) -> Sm90Config:
+def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype, b_dtype: torch.dtype = FP8_DTYPE) -> int:
+    """Shared memory of the sm90 forward kernel with ``config``, ``out_dtype`` and B of ``b_dtype``
+    (a high-precision B's slots hold its 128x128 tile, the E4M3 tile written over it, plus its scale)."""
+    if b_dtype == FP8_DTYPE:
+        return config.smem_bytes(out_dtype)
+    return config.smem_bytes(out_dtype, BLOCK * BLOCK * (b_dtype.itemsize - 1)) + 4 * WG_ROWS * 4
+
+
+def sm90_default_config(
+    n: int, b_dtype: torch.dtype = FP8_DTYPE, out_dtype: torch.dtype = torch.bfloat16
+) -> Sm90Config:
     """The config the op runs with for ``N`` output columns: a fixed rule from the sweep, no timing at
-    run time (so nothing re-tunes when routing changes M). 128x256 tiles where N allows (a quarter
+    run time (so nothing re-tunes when routing changes M). FP8 B: 128x256 tiles where N allows (a quarter
     less L2->SM traffic per FLOP than 128x128: +3-7% on the anchor shapes), 3 stages (4 measured
     the same, and 3 leave room for fp32 output: both output dtypes fit), consumers ordered (+1-7% at 128x256 on all six
-    anchor cases; -1-5% at 128x128); 128x128 tiles, unordered, otherwise."""
-    return SM90_CONFIGS[0] if n % 256 == 0 else SM90_CONFIGS[1]
+    anchor cases; -1-5% at 128x128); 128x128 tiles, unordered, otherwise. High-precision B (quantized in
+    the kernel): 128x128 tiles (a tile is one weight block) and as many stages as fit, up to 4."""
+    if b_dtype == FP8_DTYPE:
+        return SM90_CONFIGS[0] if n % 256 == 0 else SM90_CONFIGS[1]
+    for stages in (4, 3, 2):
+        config = Sm90Config(128, stages, 8)
+        if sm90_smem_bytes(config, out_dtype, b_dtype) <= SM90_SMEM_BYTES:
+            return config
+    raise ValueError(f"no sm90 config fits {b_dtype} weights with {out_dtype} output")
 
 
 def launch_grouped_gemm_fp8_blockwise_sm90(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     b: torch.Tensor,
-    b_scale: torch.Tensor,
+    b_scale: torch.Tensor | None,
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
+    b_tail: torch.Tensor | None = None,
+    transpose_b: bool = False,
+    *,
     config: Sm90Config | None = None,
 ) -> torch.Tensor:
     """Gluon launcher (Hopper GPUs only). Same contract as :func:`grouped_gemm_fp8_blockwise`.
 
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_default_config`.
     """
-    config = config or sm90_default_config(b.shape[1])
-    check_sm90_launch(a.device, config, b.shape[1], out_dtype, sm90_smem_bytes(config, out_dtype))
-    out, (m, n, k, e) = _output_and_dims(a, b, out_dtype)
+    quantize_b = b.dtype != FP8_DTYPE
+    e, n, _, n_head, n_tail = _b_dims(b, b_tail, transpose_b)
+    config = config or sm90_default_config(n, b.dtype, out_dtype)
+    if quantize_b and config.block_n != BLOCK:
+        raise ValueError(f"{config}: a high-precision b is quantized in 128x128 tiles, so block_n must be 128")
+    check_sm90_launch(a.device, config, n, out_dtype, sm90_smem_bytes(config, out_dtype, b.dtype))
+    out, (m, n, k, e, n_head, n_tail) = _output_and_dims(a, b, out_dtype, b_tail, transpose_b)
     if m == 0:
         return out
+    if quantize_b:
+        b_desc = descriptor(b.view(e * n_head, b.shape[2]), (BLOCK, BLOCK))
+        tail_desc = b_desc if b_tail is None else descriptor(b_tail.view(e * n_tail, b.shape[2]), (BLOCK, BLOCK))
+    else:
+        b_desc = tail_desc = descriptor(b.view(e * n, k), (config.block_n, BLOCK))
+    consumer_regs, quantizer_regs = SM90_REGS[b.dtype]
     tiles = triton.cdiv(m, BLOCK) * (n // config.block_n)
     _grouped_gemm_fp8_blockwise_sm90_kernel[(min(tiles, sm_count(a.device)),)](
         descriptor(a, (BLOCK, BLOCK)),
-        descriptor(b.view(e * n, k), (config.block_n, BLOCK)),
+        b_desc,
+        tail_desc,
         descriptor(out, (64, BLOCK)),
         a_scale,
         a_scale.stride(0),
-        b_scale,
+        a_scale if b_scale is None else b_scale,  # unread when the kernel quantizes b
         group_end_offsets,
         m,
         n,
         k,
         e,
+        n_head,
+        n_tail,
         E_POW2=triton.next_power_of_2(e),
         GROUP_M=config.group_m,
         STAGES=config.stages,
         ORDERED=config.ordered,
+        QUANTIZE_B=quantize_b,
+        TRANSPOSE_B=transpose_b,
+        CONSUMER_REGS=consumer_regs,
+        QUANTIZER_REGS=quantizer_regs,
         num_warps=4,
     )
     return out
 
 
-def build_sm90_kernel(config: Sm90Config, out_dtype: torch.dtype, num_experts: int = 8) -> Any:
+def build_sm90_kernel(
+    config: Sm90Config,
+    out_dtype: torch.dtype,
+    num_experts: int = 8,
+    b_dtype: torch.dtype = FP8_DTYPE,
+    transpose_b: bool = False,
+) -> Any:
     """Compile the sm90 kernel for sm_90a without a GPU (see :func:`compile_for_sm90`), with the
-    specialization a launch with ``config``, ``out_dtype`` and ``num_experts`` would have."""
+    specialization a launch with ``config``, ``out_dtype``, ``num_experts`` and B of ``b_dtype``
+    (``transpose_b`` for a high-precision one) would have."""
     fp8 = torch.float8_e4m3fn
+    quantize_b = b_dtype != fp8
+    b_box = (BLOCK, BLOCK) if quantize_b else (config.block_n, BLOCK)
+    consumer_regs, quantizer_regs = SM90_REGS[b_dtype]
     signature = {
         "a_desc": descriptor_signature((BLOCK, BLOCK), fp8),
-        "b_desc": descriptor_signature((config.block_n, BLOCK), fp8),
+        "b_desc": descriptor_signature(b_box, b_dtype),
+        "tail_desc": descriptor_signature(b_box, b_dtype),
         "out_desc": descriptor_signature((64, BLOCK), out_dtype),
         "a_scale_ptr": "*fp32",
         "stride_as": "i32",
         "b_scale_ptr": "*fp32",
         "ends_ptr": "*i32",
-        **dict.fromkeys(("M", "N", "K", "E"), "i32"),
-        **dict.fromkeys(("E_POW2", "GROUP_M", "STAGES", "ORDERED"), "constexpr"),
+        **dict.fromkeys(("M", "N", "K", "E", "N_HEAD", "N_TAIL"), "i32"),
+        **dict.fromkeys(_SM90_CONSTEXPRS, "constexpr"),
     }
     constexprs = {
         "E_POW2": triton.next_power_of_2(num_experts),
         "GROUP_M": config.group_m,
         "STAGES": config.stages,
         "ORDERED": config.ordered,
+        "QUANTIZE_B": quantize_b,
+        "TRANSPOSE_B": transpose_b,
+        "CONSUMER_REGS": consumer_regs,
+        "QUANTIZER_REGS": quantizer_regs,
     }
     return compile_for_sm90(_grouped_gemm_fp8_blockwise_sm90_kernel, signature, constexprs)
+
+
+_SM90_CONSTEXPRS = (
+    "E_POW2",
+    "GROUP_M",
+    "STAGES",
+    "ORDERED",
+    "QUANTIZE_B",
+    "TRANSPOSE_B",
+    "CONSUMER_REGS",
+    "QUANTIZER_REGS",
+)
 
 
 # The op's CUDA kernel (same contract as :func:`grouped_gemm_fp8_blockwise`): the sm90 Gluon kernel on
@@ -467,14 +745,21 @@ def grouped_gemm_fp8_blockwise_reference(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     b: torch.Tensor,
-    b_scale: torch.Tensor,
+    b_scale: torch.Tensor | None,
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
+    b_tail: torch.Tensor | None = None,
+    transpose_b: bool = False,
 ) -> torch.Tensor:
-    """Torch reference (the oracle and the CPU path): dequantize, then an fp32 matmul per group.
-
-    Rows at or past the last group end are zero.
+    """Torch reference (the oracle and the CPU path): a high-precision ``b`` quantized by
+    :func:`~fp8flow_ao.kernels.quantize_128x128.quantize_128x128_reference` (the orientation asked for),
+    then dequantize and an fp32 matmul per group. Rows at or past the last group end are zero.
     """
+    if b.dtype != FP8_DTYPE:
+        data, scale, data_t, scale_t = quantize_128x128_reference(
+            b, with_transpose=transpose_b, with_data=not transpose_b, w_tail=b_tail
+        )
+        b, b_scale = (data_t, scale_t) if transpose_b else (data, scale)
     a32 = dequantize_rows_reference(a, a_scale, BLOCK)
     b32 = b.float() * b_scale.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
     owner = _expert_of_rows(group_end_offsets, a.shape[0])
@@ -490,11 +775,15 @@ def _grouped_gemm_fp8_blockwise_op(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     b: torch.Tensor,
-    b_scale: torch.Tensor,
+    b_scale: torch.Tensor | None,
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype,
+    b_tail: torch.Tensor | None = None,
+    transpose_b: bool = False,
 ) -> torch.Tensor:
-    return grouped_gemm_fp8_blockwise_reference(a, a_scale, b, b_scale, group_end_offsets, out_dtype)
+    return grouped_gemm_fp8_blockwise_reference(
+        a, a_scale, b, b_scale, group_end_offsets, out_dtype, b_tail, transpose_b
+    )
 
 
 _grouped_gemm_fp8_blockwise_op.register_kernel("cuda")(launch_grouped_gemm_fp8_blockwise)
@@ -505,76 +794,120 @@ def _(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     b: torch.Tensor,
-    b_scale: torch.Tensor,
+    b_scale: torch.Tensor | None,
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype,
+    b_tail: torch.Tensor | None = None,
+    transpose_b: bool = False,
 ) -> torch.Tensor:
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+    return a.new_empty((a.shape[0], _b_dims(b, b_tail, transpose_b)[1]), dtype=out_dtype)
+
+
+def _check_b(b: torch.Tensor, b_scale: torch.Tensor | None, b_tail: torch.Tensor | None, transpose_b: bool) -> None:
+    """``b`` FP8 with its scales, or high precision (quantized by the kernel) with an optional tail."""
+    if not isinstance(transpose_b, bool):
+        raise TypeError(f"transpose_b must be a bool, got {type(transpose_b).__name__}")
+    check_tensor("b", b, dtypes=(FP8_DTYPE, *HP_B_DTYPES), ndim=3)
+    check_contiguous("b", b)  # K-major [E, N, K] (FP8); for dgrad pass the transposed copy, never a .mT view
+    e, n, k = b.shape
+    check_multiple("b", n, what="dim 1")
+    check_multiple("b", k, what="dim 2")
+    if b.dtype == FP8_DTYPE:
+        if b_tail is not None or transpose_b:
+            raise ValueError("b_tail and transpose_b apply to a high-precision b only (FP8 b is used as it is)")
+        check_tensor("b_scale", b_scale, dtypes=torch.float32, ndim=3)
+        check_contiguous("b_scale", b_scale)
+        return
+    if b_scale is not None:
+        raise ValueError(f"b_scale must be None for a high-precision b ({b.dtype}): the kernel quantizes b itself")
+    if b_tail is not None:
+        check_tensor("b_tail", b_tail, dtypes=b.dtype, ndim=3)
+        check_contiguous("b_tail", b_tail)
+        if b_tail.shape[0] != e or b_tail.shape[2] != k:
+            raise ValueError(
+                f"b_tail must be [E={e}, N2, {k}] like b {tuple(b.shape)} but for dim 1, got {tuple(b_tail.shape)}"
+            )
+        check_multiple("b_tail", b_tail.shape[1], what="dim 1")
 
 
 def _check_inputs(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     b: torch.Tensor,
-    b_scale: torch.Tensor,
+    b_scale: torch.Tensor | None,
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype,
+    b_tail: torch.Tensor | None,
+    transpose_b: bool,
 ) -> None:
     check_fp8("a", a, ndim=2)
-    check_fp8("b", b, ndim=3)
     check_tensor("a_scale", a_scale, dtypes=torch.float32, ndim=2)
-    check_tensor("b_scale", b_scale, dtypes=torch.float32, ndim=3)
+    _check_b(b, b_scale, b_tail, transpose_b)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     m, k = a.shape
-    e, n, kb = b.shape
+    e, n, kb, _, _ = _b_dims(b, b_tail, transpose_b)
     check_multiple("a", k, what="K (dim 1)")
-    check_multiple("b", n, what="N (dim 1)")
     if kb != k:
-        raise ValueError(f"b must have K = {k} (a's dim 1) in dim 2, got shape {tuple(b.shape)}")
+        raise ValueError(
+            f"the B operand must have K = {k} (a's dim 1), got {kb} (b {tuple(b.shape)}, transpose_b={transpose_b})"
+        )
     check_group_end_offsets("group_end_offsets", group_end_offsets, rows=m)
     if group_end_offsets.shape[0] != e or e == 0:
         raise ValueError(
             f"group_end_offsets must hold one end per expert (b has E = {e} >= 1), got {group_end_offsets.shape[0]}"
         )
     check_shape("a_scale", a_scale, (m, k // BLOCK))
-    check_shape("b_scale", b_scale, (e, n // BLOCK, k // BLOCK))
+    if b_scale is not None:
+        check_shape("b_scale", b_scale, (e, n // BLOCK, k // BLOCK))
     check_row_major("a", a)  # K-major: the tensor cores read both operands along K
     check_row_major("a_scale", a_scale)
-    check_contiguous("b", b)  # K-major [E, N, K]; for dgrad pass the transposed copy, never a .mT view
-    check_contiguous("b_scale", b_scale)
-    check_same_device(a=a, a_scale=a_scale, b=b, b_scale=b_scale, group_end_offsets=group_end_offsets)
+    check_same_device(a=a, a_scale=a_scale, b=b, b_scale=b_scale, b_tail=b_tail, group_end_offsets=group_end_offsets)
 
 
 def grouped_gemm_fp8_blockwise(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     b: torch.Tensor,
-    b_scale: torch.Tensor,
+    b_scale: torch.Tensor | None,
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    b_tail: torch.Tensor | None = None,
+    transpose_b: bool = False,
 ) -> torch.Tensor:
-    """Blockwise FP8 grouped GEMM: ``out[m] = dequant(a)[m] @ dequant(b)[e]^T`` for rows ``m`` of group ``e``.
+    """Blockwise FP8 grouped GEMM: ``out[m] = dequant(a)[m] @ dequant(B)[e]^T`` for rows ``m`` of group ``e``.
 
-    Forward (``a`` = activations, ``b`` = weights ``[E, N, K]``) and dgrad (``a`` = output
-    gradient, ``b`` = the exactly transposed weight ``[E, K, N]`` from ``quantize_128x128``'s
-    ``data_t`` / ``scale_inv_t``) are the same call.
+    Forward (``a`` = activations, ``B`` = weights ``[E, N, K]``) and dgrad (``a`` = output gradient,
+    ``B`` = the exactly transposed weight ``[E, K, N]``) are the same call. ``B`` is given either as
+    FP8 tiles (``b`` + ``b_scale``: for dgrad ``quantize_128x128``'s ``data_t`` / ``scale_inv_t``) or as the
+    high-precision weight itself (``b`` bf16/fp32, ``b_scale=None``), which the kernel quantizes tile by
+    tile as it loads it -- bit for bit what ``quantize_128x128`` followed by the FP8 call gives, without
+    an FP8 copy of the weight in memory (see the module docstring for when that pays).
 
     Args:
         a: E4M3 ``[M, K]``, row-major (K contiguous; row stride a multiple of 16), ``K % 128 == 0``.
         a_scale: fp32 ``[M, K/128]`` row-major, COMPACT 1x128 ``scale_inv`` (dequantize multiplier)
             of ``a``; read as it is.
-        b: E4M3 ``[E, N, K]`` contiguous (K-major), ``N % 128 == 0``.
-        b_scale: fp32 ``[E, N/128, K/128]`` contiguous, 128x128 ``scale_inv`` of ``b``.
+        b: E4M3 ``[E, N, K]`` contiguous (K-major), ``N % 128 == 0``; or bf16/fp32 ``W [E, Nw, Kw]``
+            contiguous (row-major), both dims multiples of 128: then ``B = W`` (``N = Nw + N2``, ``K = Kw``)
+            or, with ``transpose_b``, ``B = W^T`` per expert (``N = Kw``, ``K = Nw + N2``).
+        b_scale: fp32 ``[E, N/128, K/128]`` contiguous, 128x128 ``scale_inv`` of an FP8 ``b``; ``None``
+            for a high-precision ``b``.
         group_end_offsets: int32 ``[E]`` on ``a``'s device: padded group END offsets, non-decreasing
             multiples of 128 (so each group starts on a 128-row boundary), last ``<= M``. Values are
             checked only with ``FP8FLOW_VALIDATE=1`` (the check syncs the device).
         out_dtype: ``torch.bfloat16`` (default) or ``torch.float32``.
+        b_tail: high-precision ``b`` only: ``[E, N2, Kw]`` rows joined below ``b`` (``W = cat([b, b_tail],
+            1)``, never materialized: FC1's ``W13 = [w1; w3]``), same dtype, contiguous, ``N2 % 128 == 0``.
+        transpose_b: high-precision ``b`` only: multiply by ``W[e]`` instead of ``W[e]^T`` (the dgrad).
 
     Returns:
         ``[M, N]`` contiguous ``out_dtype``. Accumulation is fp32 with the partial product of each
-        128-wide K block promoted by ``a_scale[m, kb] * b_scale[e, n // 128, kb]``. Rows at or past
+        128-wide K block promoted by ``a_scale[m, kb] * scale_B[e, n // 128, kb]``. Rows at or past
         the last group end are zero (never read from ``a``).
     """
-    _check_inputs(a, a_scale, b, b_scale, group_end_offsets, out_dtype)
-    return torch.ops.fp8flow.grouped_gemm_fp8_blockwise(a, a_scale, b, b_scale, group_end_offsets, out_dtype)
+    _check_inputs(a, a_scale, b, b_scale, group_end_offsets, out_dtype, b_tail, transpose_b)
+    return torch.ops.fp8flow.grouped_gemm_fp8_blockwise(
+        a, a_scale, b, b_scale, group_end_offsets, out_dtype, b_tail, transpose_b
+    )
