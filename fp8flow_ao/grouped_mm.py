@@ -269,6 +269,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         recipe: str,
         out_dtype: torch.dtype,
         accumulator: torch.autograd.graph.Node | None,
+        w_in_gemm: bool,
     ) -> torch.Tensor:
         ctx.recipe, ctx.accumulator = recipe, accumulator
         ctx.a_dtype, ctx.b_dtype = a.dtype, b_t.dtype
@@ -280,7 +281,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         else:
             # A: 1x128 blocks along K, row-major [M, K] + [M, K/128]: the forward GEMM's LHS.
             a_data, a_scale = quantize_1x128(a)
-        if _quantize_w_in_gemm(a_data, w, b_t):
+        if w_in_gemm:
             # W itself (the parameter, saved by reference): forward and dgrad GEMMs quantize its 128x128 tiles.
             ctx.save_for_backward(a_data, a_scale, w, None, offs)
             return grouped_gemm_fp8_blockwise(a_data, a_scale, w, None, offs, out_dtype=out_dtype)
@@ -298,19 +299,21 @@ class _Float8GroupedMM(torch.autograd.Function):
             grad_a, grad_w = _blockwise_backward(ctx, grad_out)
         # grad_w is [E, N, K] (None: already added to the weight's gradient); B_t is its transposed view.
         grad_b_t = None if grad_w is None else grad_w.to(ctx.b_dtype).transpose(-2, -1)
-        return grad_a.to(ctx.a_dtype), grad_b_t, None, None, None, None
+        return grad_a.to(ctx.a_dtype), grad_b_t, None, None, None, None, None
 
 
-def _quantize_w_in_gemm(a_data: torch.Tensor, w: torch.Tensor, b_t: torch.Tensor) -> bool:
-    """Whether the GEMMs take ``W`` as it is and quantize it as they load it: few rows per group
-    (``quantize_in_gemm_pays``) and ``W`` the caller's own tensor, not a copy (``B_t`` a transposed view of
-    it), so keeping it for backward costs nothing; not FSDP2's FP8 all-gathered tiles."""
+def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str) -> bool:
+    """Whether the blockwise GEMMs over ``rows`` (unpadded) rows take ``W`` as it is and quantize it as
+    they load it: few rows per group (``quantize_in_gemm_pays``) and ``W`` the caller's own tensor, not a
+    copy (``B_t`` a transposed view of it), so keeping it for backward costs nothing; not FSDP2's FP8
+    all-gathered tiles."""
     from fp8flow_ao.tensor import Float8BlockwiseWeight
 
     return (
-        not isinstance(w, Float8BlockwiseWeight)
+        recipe == "blockwise"
+        and not isinstance(b_t, Float8BlockwiseWeight)
         and b_t.transpose(-2, -1).is_contiguous()  # W is B_t's own storage (_weight_from_b_t copied nothing)
-        and quantize_in_gemm_pays(a_data.shape[0], w.shape[0], w.dtype)
+        and quantize_in_gemm_pays(rows, b_t.shape[0], b_t.dtype)
     )
 
 
@@ -393,10 +396,11 @@ def fp8_grouped_mm(
     """
     _check_args(a, b_t, offs, recipe, offs_aligned)
     accumulator = _grad_accumulator(b_t) if recipe == "blockwise" else None
+    w_in_gemm = _quantize_w_in_gemm(a.shape[0], b_t, recipe)
     if offs_aligned:
-        return _Float8GroupedMM.apply(a, b_t, offs, recipe, out_dtype, accumulator)
+        return _Float8GroupedMM.apply(a, b_t, offs, recipe, out_dtype, accumulator, w_in_gemm)
     src_rows, dst_rows, padded_offs = _padded_groups(offs, a.shape[0])
     out = _Float8GroupedMM.apply(
-        _PadRows.apply(a, src_rows, dst_rows), b_t, padded_offs, recipe, out_dtype, accumulator
+        _PadRows.apply(a, src_rows, dst_rows), b_t, padded_offs, recipe, out_dtype, accumulator, w_in_gemm
     )
     return unpermute_unpad(out, dst_rows, 1)

@@ -144,7 +144,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # Weights: 128x128 tiles, made by the GEMMs themselves as they load the weights where experts have
         # few rows; else by quantize_128x128, with weight_cache "forward"/"step" also the dgrads' exact
         # transposes, kept for backward (memory for speed: weight_cache.py).
-        qw = weights_for_forward(w1, w2, w3, weight_cache, routed.data.shape[0])
+        qw = weights_for_forward(w1, w2, w3, weight_cache, rows.shape[0] * rows_k)
         h, a_data, a_scale = _fc1_swiglu(routed.data, routed.scale_inv, qw.fc1(), routed.probs, offs, score_before)
         y = _expert_gemm(a_data, a_scale, qw.fc2(), offs)
         out = unpermute_unpad(y, routed.dst_rows, rows_k)

@@ -141,7 +141,7 @@ class ExpertWeightsHP(NamedTuple):
 
 
 def quantized_in_gemm(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, rows: int, mode: str) -> bool:
-    """Whether the layer's GEMMs over ``rows`` padded rows take the weights as they are and quantize them
+    """Whether the layer's GEMMs over ``rows`` routed rows take the weights as they are and quantize them
     while loading (``weight_cache="off"``, plain contiguous tensors -- not FSDP2's FP8 all-gathered tiles --
     and :func:`~fp8flow_ao.kernels.grouped_gemm_fp8_blockwise.quantize_in_gemm_pays`). Static: the same
     answer in forward, backward and recompute."""
@@ -304,7 +304,7 @@ def check_weight_cache_mode(mode: object) -> None:
 def weights_for_forward(
     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mode: str, rows: int
 ) -> ExpertWeightsFP8 | ExpertWeightsHP:
-    """The weights a forward over ``rows`` padded rows uses: the weights themselves where the GEMMs quantize
+    """The weights a forward over ``rows`` routed rows uses: the weights themselves where the GEMMs quantize
     them (:func:`quantized_in_gemm`), else FP8 tiles: the forward orientation (``"off"``), or both
     (``"forward"``, ``"step"``)."""
     if quantized_in_gemm(w1, w2, w3, rows, mode):

@@ -97,18 +97,22 @@ from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128_reference
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 # High-precision weights the kernels quantize as they load them.
 HP_B_DTYPES = (torch.bfloat16, torch.float32)
-# Rows per expert (padded, on average) up to which a bf16 weight is best quantized inside the GEMM rather
-# than by quantize_128x128 before it: provisional, to be set from `bench_grouped_gemm_fp8_blockwise.py
-# --weights` (grouped_gemm_weights.md).
-IN_GEMM_MAX_ROWS_PER_EXPERT = 512
+# Routed rows per expert (on average) up to which a bf16 weight is quantized inside the GEMMs rather than
+# by quantize_128x128 before them. Measured on an H200 (grouped_gemm_weights.md, balanced groups): at 128
+# rows per expert (one M tile each) the in-kernel path takes 0.61 / 0.60 of the separate one's time for
+# forward and 0.73 / 0.74 for dgrad (Qwen3-30B-A3B FC1 / FC2 dims), 0.89-0.95 / 1.3 at 256, and at 512
+# and up it loses in both passes (1.35-1.76x the time): every M tile quantizes its weight tiles again, and
+# the quantizer warpgroup, not the tensor cores, sets the pace.
+IN_GEMM_MAX_ROWS_PER_EXPERT = 128
 
 
 def quantize_in_gemm_pays(rows: int, experts: int, w_dtype: torch.dtype) -> bool:
-    """Whether a grouped GEMM over ``rows`` padded rows of ``experts`` experts is faster given its
-    ``w_dtype`` weight to quantize tile by tile as it loads it (``b`` high precision) than given
-    ``quantize_128x128``'s tiles made just before it. Both give the same bits; the in-kernel path reads the
-    high-precision tile once per 128-row M tile and skips the separate pass, so it wins where experts have
-    few rows: :data:`IN_GEMM_MAX_ROWS_PER_EXPERT`, bf16 weights (static shapes only: no host sync)."""
+    """Whether grouped GEMMs over ``rows`` routed rows (real ones, not the padded bound) of ``experts``
+    experts are faster given their ``w_dtype`` weight to quantize tile by tile as they load it (``b`` high
+    precision) than given ``quantize_128x128``'s tiles made before them. Both give the same bits; the
+    in-kernel path skips the separate pass over the weight but quantizes each tile once per 128-row M
+    tile, so it wins where experts have few rows: :data:`IN_GEMM_MAX_ROWS_PER_EXPERT` on average, bf16
+    weights (fp32 ones fit 2 ring stages only). Static shapes only: no host sync."""
     return w_dtype == torch.bfloat16 and rows <= IN_GEMM_MAX_ROWS_PER_EXPERT * experts
 
 
@@ -119,9 +123,12 @@ def quantize_in_gemm_pays(rows: int, experts: int, w_dtype: torch.dtype) -> bool
 # * 64x128 tiles, 4 warps, 2 programs per SM (171 registers x 128 threads, 113 KiB of shared memory
 #   each): one program's MMAs overlap the other's promotion, at 1.5x the L2->SM bytes per FLOP; it
 #   wins on some dgrad shapes. 5 stages would leave no room for the second program.
+# * 128x128 tiles, 2 stages: the only one whose pipelined operands fit when B is an fp32 weight quantized in
+#   the kernel (64 KiB per stage for its tile; the autotuner skips configs that do not fit).
 FORWARD_CONFIGS = [
     gemm_config(128, 128, num_warps=8, num_stages=4),
     gemm_config(64, 128, num_warps=4, num_stages=4, programs_per_sm=2),
+    gemm_config(128, 128, num_warps=8, num_stages=2),
 ]
 INTERPRET_CONFIG = gemm_config(128, 128, num_warps=8, num_stages=1, group_m=2)
 
@@ -377,8 +384,8 @@ def _sm90_producer(
 
 
 @gluon.jit
-def _sm90_quantizer(TRANSPOSE_B: gl.constexpr, w_bufs, ready, quantized, problem):
-    """One warpgroup (high-precision B only): each landed 128x128 weight tile -> E4M3 with one
+def _sm90_quantizer(TRANSPOSE_B: gl.constexpr, WARPS: gl.constexpr, w_bufs, ready, quantized, problem):
+    """``WARPS`` warps (high-precision B only): each landed 128x128 weight tile -> E4M3 with one
     power-of-two scale, as ``quantize_128x128`` computes it, written (transposed with ``TRANSPOSE_B``)
     over the first bytes of its own staging slot and its scale into ``q_scales``; then ``qready`` releases
     the consumers. The writes may overwrite the slot in place: the tile's amax is a reduction over every
@@ -391,10 +398,10 @@ def _sm90_quantizer(TRANSPOSE_B: gl.constexpr, w_bufs, ready, quantized, problem
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     if TRANSPOSE_B:
-        layout: gl.constexpr = gl.BlockedLayout([16, 2], [1, 32], [4, 1], [1, 0])
+        layout: gl.constexpr = gl.BlockedLayout([16, 2], [1, 32], [WARPS, 1], [1, 0])
     else:
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    scale_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+    scale_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E, SM90_BLOCK)
     # The ring's slots in the producer's order: this program's live tiles times their K blocks.
     tiles = gl.cdiv(gl.maximum(live_m * num_n - gl.program_id(0), 0), gl.num_programs(0))
@@ -404,14 +411,16 @@ def _sm90_quantizer(TRANSPOSE_B: gl.constexpr, w_bufs, ready, quantized, problem
         w = w_bufs.index(s).load(layout)
         # The amax in the weight's own dtype (a max is exact in any precision), so the tile stays packed
         # in registers; max skips NaN (maxnum), and pow2_scale_inv_and_scale floors an all-NaN tile like
-        # a zero one: the scale quantize_128x128's nan_free_abs gives.
-        amax = gl.max(gl.max(gl.abs(w), axis=1), axis=0).to(gl.float32)
+        # a zero one: the scale quantize_128x128's nan_free_abs gives. Over both axes at once: each thread
+        # reduces all its values, then one shuffle tree and one value per warp (an axis at a time took
+        # 64 shuffles per thread, or a 128-wide cross-warp exchange: 2-3x the time per tile on an H200).
+        amax = gl.max(gl.abs(w)).to(gl.float32)
         scale_inv, scale = pow2_scale_inv_and_scale(amax)
         q = (w.to(gl.float32) * scale).to(gl.float8e4nv)
         if TRANSPOSE_B:
             q = gl.permute(q, (1, 0))
         q_bufs.index(s).slice(0, SM90_BLOCK).store(q)
-        q_scales.index(s).store(gl.zeros([WG_ROWS], gl.float32, scale_layout) + scale_inv)
+        q_scales.index(s).store(gl.zeros([1], gl.float32, scale_layout) + scale_inv)
         fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads them
         mbarrier.arrive(qready.index(s), count=1)
 
@@ -475,7 +484,7 @@ def _sm90_consumer(
             nxt = gl.minimum(kb + 1, k_blocks - 1)
             sa_next = gl.load(sa_ptrs + nxt, mask=rows < M, other=0.0)
             if QUANTIZE_B:
-                sb0 = q_scales.index(s).load(gl.SliceLayout(1, mma))
+                sb0 = gl.max(q_scales.index(s).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
             else:
                 sb0_next = gl.load(sb_ptr0 + nxt)
                 sb1_next = gl.load(sb_ptr1 + nxt)
@@ -527,6 +536,7 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     TRANSPOSE_B: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     QUANTIZER_REGS: gl.constexpr,
+    QUANTIZER_WARPS: gl.constexpr,
 ):
     """Warp-specialized persistent blockwise FP8 grouped GEMM (Hopper).
 
@@ -536,7 +546,7 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     b_scale ``[E, N/128, K/128]`` contiguous; or (``QUANTIZE_B``) a high-precision weight (128x128 boxes, ``tail_desc`` and ``N_HEAD``/``N_TAIL`` as in :func:`_sm90_producer`), quantized in
     the kernel, b_scale unused. Partitions: two consumer warpgroups (the default one and a worker,
     ``CONSUMER_REGS`` registers each), one producer warp (40 registers) and, for a high-precision B,
-    one quantizer warpgroup (``QUANTIZER_REGS``).
+    ``QUANTIZER_WARPS`` quantizer warps (``QUANTIZER_REGS`` each).
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -562,9 +572,9 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
         rows_per_slot: gl.constexpr = SM90_BLOCK * b_desc.dtype.primitive_bitwidth // 8
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([rows_per_slot, SM90_BLOCK], gl.float8e4nv)
         q_bufs = fp8_view_of_slots(b_bufs, q_layout)
-        # One scale per slot, as a 64-row vector (the consumers' row layout); 4 slots: shapes are powers of 2.
+        # One scale per slot; 4 slots (shapes are powers of 2).
         gl.static_assert(STAGES <= 4, "q_scales holds 4 slots")
-        q_scales = gl.allocate_shared_memory(gl.float32, [4, WG_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        q_scales = gl.allocate_shared_memory(gl.float32, [4, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         qready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(qready.index(i), count=1)
@@ -575,20 +585,28 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
                 (_sm90_consumer, (0, E_POW2, GROUP_M, ORDERED, True, q_ring, out, scales, problem, q_scales)),
                 (_sm90_consumer, (1, E_POW2, GROUP_M, ORDERED, True, q_ring, out, scales, problem, q_scales)),
                 (_sm90_producer, (E_POW2, GROUP_M, True, TRANSPOSE_B, a_desc, b_descs, ring, problem)),
-                (_sm90_quantizer, (TRANSPOSE_B, b_bufs, ready, quantized, problem)),
+                (_sm90_quantizer, (TRANSPOSE_B, QUANTIZER_WARPS, b_bufs, ready, quantized, problem)),
             ],
-            [4, 1, 4],
+            [4, 1, QUANTIZER_WARPS],
             [CONSUMER_REGS, 40, QUANTIZER_REGS],
         )
 
 
-# Registers per thread of the consumer and quantizer partitions by B's dtype (setmaxnreg; the producer
-# warp keeps 40). FP8 B: 232 per consumer (two 64x128 accumulators + a partial at 128x256 tiles).
-# High-precision B: the quantizer warpgroup takes its share of the 64K registers (two consumer
-# warpgroups + the quantizer + the producer's warpgroup <= 512 per thread in all), so the consumers
-# (128x128 tiles: one accumulator + a partial) get less; a bf16 tile stays packed in the quantizer's
-# registers (64 of them), an fp32 one needs 128. ptxas (triton 3.6, sm_90a) spills nothing at these (fp32 at 168 / 136: 44 bytes).
-SM90_REGS = {FP8_DTYPE: (232, 0), torch.bfloat16: (184, 104), torch.float32: (160, 152)}
+# Registers per thread of the consumer and quantizer partitions (setmaxnreg; the producer warp keeps 40),
+# by B's dtype and quantizer warps. Two consumer warpgroups + the quantizer's warpgroup(s) + the producer's
+# warpgroup share 64K registers: their per-thread counts sum to <= 512. FP8 B: 232 per consumer (two
+# 64x128 accumulators + a partial at 128x256 tiles). High-precision B: the consumers (128x128 tiles: one
+# accumulator + a partial) give the quantizer its share; a bf16 tile stays packed in the quantizer's
+# registers (64 per thread), an fp32 one takes 128. ptxas (triton 3.6, sm_90a) spills nothing at these
+# (fp32 at 168 / 136: 44 bytes). Eight quantizer warps (half a tile each) spill 64-320 bytes at every split
+# tried (consumers 144-168 / quantizer 64-88), so there is no 8-warp entry.
+# One warpgroup quantizes (see SM90_REGS).
+QUANTIZER_WARPS = 4
+SM90_REGS = {
+    (FP8_DTYPE, 4): (232, 0),
+    (torch.bfloat16, 4): (184, 104),
+    (torch.float32, 4): (160, 152),
+}
 
 
 def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype, b_dtype: torch.dtype = FP8_DTYPE) -> int:
@@ -596,7 +614,7 @@ def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype, b_dtype: torch.d
     (a high-precision B's slots hold its 128x128 tile, the E4M3 tile written over it, plus its scale)."""
     if b_dtype == FP8_DTYPE:
         return config.smem_bytes(out_dtype)
-    return config.smem_bytes(out_dtype, BLOCK * BLOCK * (b_dtype.itemsize - 1)) + 4 * WG_ROWS * 4
+    return config.smem_bytes(out_dtype, BLOCK * BLOCK * (b_dtype.itemsize - 1))
 
 
 def sm90_default_config(
@@ -647,7 +665,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
         tail_desc = b_desc if b_tail is None else descriptor(b_tail.view(e * n_tail, b.shape[2]), (BLOCK, BLOCK))
     else:
         b_desc = tail_desc = descriptor(b.view(e * n, k), (config.block_n, BLOCK))
-    consumer_regs, quantizer_regs = SM90_REGS[b.dtype]
+    consumer_regs, quantizer_regs = SM90_REGS[b.dtype, QUANTIZER_WARPS]
     tiles = triton.cdiv(m, BLOCK) * (n // config.block_n)
     _grouped_gemm_fp8_blockwise_sm90_kernel[(min(tiles, sm_count(a.device)),)](
         descriptor(a, (BLOCK, BLOCK)),
@@ -672,6 +690,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
         TRANSPOSE_B=transpose_b,
         CONSUMER_REGS=consumer_regs,
         QUANTIZER_REGS=quantizer_regs,
+        QUANTIZER_WARPS=QUANTIZER_WARPS,
         num_warps=4,
     )
     return out
@@ -690,7 +709,7 @@ def build_sm90_kernel(
     fp8 = torch.float8_e4m3fn
     quantize_b = b_dtype != fp8
     b_box = (BLOCK, BLOCK) if quantize_b else (config.block_n, BLOCK)
-    consumer_regs, quantizer_regs = SM90_REGS[b_dtype]
+    consumer_regs, quantizer_regs = SM90_REGS[b_dtype, QUANTIZER_WARPS]
     signature = {
         "a_desc": descriptor_signature((BLOCK, BLOCK), fp8),
         "b_desc": descriptor_signature(b_box, b_dtype),
@@ -712,6 +731,7 @@ def build_sm90_kernel(
         "TRANSPOSE_B": transpose_b,
         "CONSUMER_REGS": consumer_regs,
         "QUANTIZER_REGS": quantizer_regs,
+        "QUANTIZER_WARPS": QUANTIZER_WARPS,
     }
     return compile_for_sm90(_grouped_gemm_fp8_blockwise_sm90_kernel, signature, constexprs)
 
@@ -725,6 +745,7 @@ _SM90_CONSTEXPRS = (
     "TRANSPOSE_B",
     "CONSUMER_REGS",
     "QUANTIZER_REGS",
+    "QUANTIZER_WARPS",
 )
 
 
