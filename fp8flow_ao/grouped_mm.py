@@ -302,9 +302,10 @@ class _Float8GroupedMM(torch.autograd.Function):
         return grad_a.to(ctx.a_dtype), grad_b_t, None, None, None, None, None
 
 
-def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str) -> bool:
+def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool) -> bool:
     """Whether the blockwise GEMMs over ``rows`` (unpadded) rows take ``W`` as it is and quantize it as
-    they load it: few rows per group (``quantize_in_gemm_pays``) and ``W`` the caller's own tensor, not a
+    they load it: few rows per group (``quantize_in_gemm_pays``; ``aligned``: the caller's groups are
+    128-aligned, else the op pads each one) and ``W`` the caller's own tensor, not a
     copy (``B_t`` a transposed view of it), so keeping it for backward costs nothing; not FSDP2's FP8
     all-gathered tiles."""
     from fp8flow_ao.tensor import Float8BlockwiseWeight
@@ -313,7 +314,7 @@ def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str) -> bool:
         recipe == "blockwise"
         and not isinstance(b_t, Float8BlockwiseWeight)
         and b_t.transpose(-2, -1).is_contiguous()  # W is B_t's own storage (_weight_from_b_t copied nothing)
-        and quantize_in_gemm_pays(rows, b_t.shape[0], b_t.dtype)
+        and quantize_in_gemm_pays(rows, b_t.shape[0], b_t.dtype, aligned)
     )
 
 
@@ -396,7 +397,7 @@ def fp8_grouped_mm(
     """
     _check_args(a, b_t, offs, recipe, offs_aligned)
     accumulator = _grad_accumulator(b_t) if recipe == "blockwise" else None
-    w_in_gemm = _quantize_w_in_gemm(a.shape[0], b_t, recipe)
+    w_in_gemm = _quantize_w_in_gemm(a.shape[0], b_t, recipe, offs_aligned)
     if offs_aligned:
         return _Float8GroupedMM.apply(a, b_t, offs, recipe, out_dtype, accumulator, w_in_gemm)
     src_rows, dst_rows, padded_offs = _padded_groups(offs, a.shape[0])

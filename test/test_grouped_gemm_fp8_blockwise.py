@@ -288,6 +288,17 @@ def test_sm90_high_precision_b_builds_for_hopper(w_dtype, transpose_b):
         assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
 
 
+def test_quantize_in_gemm_rule():
+    """One M tile per expert on average: 128 rows per expert for 128-aligned groups, 64 for groups padded one
+    by one (routed tokens); bf16 weights only."""
+    bf16 = torch.bfloat16
+    assert mod.quantize_in_gemm_pays(128 * 8, 8, bf16, aligned=True)
+    assert not mod.quantize_in_gemm_pays(128 * 8 + 1, 8, bf16, aligned=True)
+    assert mod.quantize_in_gemm_pays(64 * 8, 8, bf16, aligned=False)
+    assert not mod.quantize_in_gemm_pays(64 * 8 + 1, 8, bf16, aligned=False)
+    assert not mod.quantize_in_gemm_pays(8, 8, torch.float32, aligned=True)
+
+
 def test_sm90_default_config_for_high_precision_b():
     for w_dtype in (torch.bfloat16, torch.float32):
         for out_dtype in OUT_DTYPES:

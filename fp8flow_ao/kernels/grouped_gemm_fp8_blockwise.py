@@ -97,23 +97,28 @@ from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128_reference
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 # High-precision weights the kernels quantize as they load them.
 HP_B_DTYPES = (torch.bfloat16, torch.float32)
-# Routed rows per expert (on average) up to which a bf16 weight is quantized inside the GEMMs rather than
-# by quantize_128x128 before them. Measured on an H200 (grouped_gemm_weights.md, balanced groups): at 128
-# rows per expert (one M tile each) the in-kernel path takes 0.61 / 0.60 of the separate one's time for
-# forward and 0.73 / 0.74 for dgrad (Qwen3-30B-A3B FC1 / FC2 dims), 0.89-0.95 / 1.3 at 256, and at 512
-# and up it loses in both passes (1.35-1.76x the time): every M tile quantizes its weight tiles again, and
-# the quantizer warpgroup, not the tensor cores, sets the pace.
+# Rows per expert (on average, 128-aligned groups) up to which a bf16 weight is quantized inside the GEMMs
+# rather than by quantize_128x128 before them: one M tile per expert. Measured on an H200
+# (grouped_gemm_weights.md, balanced aligned groups): at 128 rows per expert the in-kernel path takes
+# 0.60-0.61x the separate one's time for forward and 0.73-0.74x for dgrad (Qwen3-30B-A3B FC1 / FC2 dims);
+# at 256 (two M tiles) 0.89-0.95x for forward but 1.3x for dgrad, and at 512 and up it loses in both
+# passes (1.35-1.76x): every M tile quantizes its weight tiles again, and the quantizer warpgroup, not the
+# tensor cores, sets the pace. Groups that are not 128-aligned start a tile at every expert's start, about
+# half a tile more per expert, so for them the rule asks for half the rows.
 IN_GEMM_MAX_ROWS_PER_EXPERT = 128
 
 
-def quantize_in_gemm_pays(rows: int, experts: int, w_dtype: torch.dtype) -> bool:
-    """Whether grouped GEMMs over ``rows`` routed rows (real ones, not the padded bound) of ``experts``
-    experts are faster given their ``w_dtype`` weight to quantize tile by tile as they load it (``b`` high
-    precision) than given ``quantize_128x128``'s tiles made before them. Both give the same bits; the
-    in-kernel path skips the separate pass over the weight but quantizes each tile once per 128-row M
-    tile, so it wins where experts have few rows: :data:`IN_GEMM_MAX_ROWS_PER_EXPERT` on average, bf16
-    weights (fp32 ones fit 2 ring stages only). Static shapes only: no host sync."""
-    return w_dtype == torch.bfloat16 and rows <= IN_GEMM_MAX_ROWS_PER_EXPERT * experts
+def quantize_in_gemm_pays(rows: int, experts: int, w_dtype: torch.dtype, aligned: bool) -> bool:
+    """Whether grouped GEMMs over ``rows`` real rows (not the padded bound) of ``experts`` experts are faster
+    given their ``w_dtype`` weight to quantize tile by tile as they load it (``b`` high precision) than given
+    ``quantize_128x128``'s tiles made before them. Both give the same bits; the in-kernel path skips the
+    separate pass over the weight but quantizes each weight tile once per 128-row M tile, so it wins where
+    experts have about one M tile each: at most :data:`IN_GEMM_MAX_ROWS_PER_EXPERT` rows per expert on
+    average when the groups are 128-aligned (``aligned``), half that when each group is padded to 128 rows
+    on its own (routed tokens); bf16 weights only (fp32 ones fit 2 ring stages). Static shapes only: no
+    host sync."""
+    per_expert = IN_GEMM_MAX_ROWS_PER_EXPERT if aligned else IN_GEMM_MAX_ROWS_PER_EXPERT // 2
+    return w_dtype == torch.bfloat16 and rows <= per_expert * experts
 
 
 # Launch configs, from the sweeps in benchmarks/results/grouped_gemm_notes.md (H200):
