@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,29 @@ def bench_us(fn: Callable[..., Any], arg_sets: Sequence[tuple]) -> float:
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(lambda: fn(*next(cycle)), warmup=25, rep=200, return_mode="median")
     return ms * 1e3
+
+
+# ~1.5 s of GPU sleep at Hopper clocks: longer than the host needs to enqueue the timed steps of any case.
+SLEEP_CYCLES = 3_000_000_000
+
+
+def host_and_device_us(step: Callable[[], Any], iters: int = 5) -> tuple[float, float]:
+    """The host's and the device's microseconds per ``step()``, measured apart: a sleep kernel queued first
+    keeps the GPU busy while the host enqueues ``iters`` steps, so no launch waits on the device (the host
+    time is its own) and the steps then run back to back (the device time has no gaps for the host).
+    Timing a step end to end gives the larger of the two; when the host's is the larger, the step is
+    host-bound and its time follows the host CPU's speed. Warm the step up (compile, autotune) first."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    host_us = 1e6 * (time.perf_counter() - t0) / iters
+    end.record()
+    torch.cuda.synchronize()
+    return host_us, 1e3 * start.elapsed_time(end) / iters
 
 
 _COPY_GBPS: float | None = None

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _bench import (  # noqa: E402
     balanced_counts,
     bench_us,
+    host_and_device_us,
     import_deep_gemm,
     require_cuda,
     row,
@@ -148,8 +149,9 @@ def accuracy(fn: Callable, p: dict, ref: tuple) -> dict[str, float]:
     return {name: round(sqnr_db(r, x), 2) for name, r, x in zip(("out", "dA", "dW"), want, got, strict=True)}
 
 
-def timed(fn: Callable, p: dict, mode: str) -> float:
-    """Median microseconds of one call in ``mode`` (see the module docstring)."""
+def timed(fn: Callable, p: dict, mode: str) -> tuple[float, float, float]:
+    """Median microseconds of one call in ``mode`` (see the module docstring), then the host's and the
+    device's microseconds per call measured apart (``host_and_device_us``)."""
     a, w = p["a"].detach().requires_grad_(), p["w"].detach().requires_grad_()
     offs, grad_out = p["offs"], p["grad_out"]
     if mode == "fwd":
@@ -170,11 +172,15 @@ def timed(fn: Callable, p: dict, mode: str) -> float:
             fn(a, w.transpose(-2, -1), offs).backward(grad_out)
 
     # One input set: A and W together are >= 80 MB at every shape here, past the 50-60 MB L2.
-    return bench_us(step, [()])
+    return (bench_us(step, [()]), *host_and_device_us(step, HOST_DEVICE_ITERS))
 
 
+HOST_DEVICE_ITERS = 10
 NOTES = (
-    "Whole op, quantization included, bf16 inputs and weights. tflops = ours, baseline_tflops = the named "
+    "Whole op, quantization included, bf16 inputs and weights. ours_us / baseline_us: end to end (the larger "
+    "of host and device time); ours_host_us, ours_device_us, baseline_device_us: measured apart with the GPU "
+    "held busy (host above device = host-bound: the op then runs at the host CPU's speed), device_speedup = "
+    "baseline_device_us / ours_device_us. tflops = ours, baseline_tflops = the named "
     "baseline on the same FLOPs (fwd 2MNK, fwd+bwd 6MNK). sqnr_* = ours, baseline_sqnr_* = the baseline, "
     "dB vs fp32 math on the same bf16 operands. Aligned cases call ours with offs_aligned=True; 'unaligned' "
     "pads on the device (torchao pads internally in every case). 'fwd+bwd accumulate': .backward() into "
@@ -194,9 +200,11 @@ def run(deep_gemm) -> list[dict]:
         sqnr = {name: accuracy(fn, p, ref) for name, fn in found.items()}
         del ref
         for mode in MODES:
-            us = {name: timed(fn, p, mode) for name, fn in found.items()}
+            times = {name: timed(fn, p, mode) for name, fn in found.items()}
+            us = {name: t[0] for name, t in times.items()}
             flops = FLOPS_PER_MODE[mode] * m * n * k
             print(f"{mode} {case}: " + ", ".join(f"{name} {t:.0f} us" for name, t in us.items()), flush=True)
+            _, ours_host, ours_device = times["ours"]
             for name in list(found)[1:]:
                 rows_out.append(
                     row(
@@ -206,6 +214,10 @@ def run(deep_gemm) -> list[dict]:
                         us[name],
                         flops=flops,
                         baseline_tflops=round(flops / us[name] / 1e6, 1),
+                        ours_host_us=round(ours_host, 1),
+                        ours_device_us=round(ours_device, 1),
+                        baseline_device_us=round(times[name][2], 1),
+                        device_speedup=round(times[name][2] / ours_device, 3),
                         **{f"sqnr_{t}": v for t, v in sqnr["ours"].items()},
                         **{f"baseline_sqnr_{t}": v for t, v in sqnr[name].items()},
                     )

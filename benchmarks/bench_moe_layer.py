@@ -71,7 +71,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from _bench import bench_us, n_rotations, row, skewed_counts, write_results
+from _bench import bench_us, host_and_device_us, n_rotations, row, skewed_counts, write_results
 from torch import nn
 
 from fp8flow_ao.shapes import DEEPSEEK_V3, LLAMA4_SCOUT, QWEN3_30B_A3B, MoEShape
@@ -108,8 +108,6 @@ SPEEDUP_TARGETS = {
 # activation memory / BF16's; fp8flow_wt_forward trades memory (its FP8 weight transposes) for speed
 MEMORY_TARGETS = {"fp8flow": 0.5, "fp8flow_recompute": 0.2}
 PROFILE_ITERS = 5
-# ~1.5 s of GPU sleep at Hopper clocks: longer than the host needs to enqueue PROFILE_ITERS steps of any case.
-SLEEP_CYCLES = 3_000_000_000
 OTHER_NAMED = 12  # kernels outside our ops named one by one in the stage table
 HOST_NAMED = 15  # Python functions named in the host profile
 
@@ -326,7 +324,7 @@ def stage_breakdown(
     x, dy = inputs[0]
     for _ in range(3):
         step(x, dy)
-    host_us, device_us = host_and_device_us(step, x, dy)
+    host_us, device_us = host_and_device_us(lambda: step(x, dy), PROFILE_ITERS)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(PROFILE_ITERS):
             step(x, dy)
@@ -351,27 +349,6 @@ def stage_breakdown(
     kernel_us = sum(k.device_time_total for k in kernels) / PROFILE_ITERS
     per_step["idle (timed step less every kernel of the profiled steps)"] = step_us - kernel_us
     return dict(sorted(per_step.items(), key=lambda kv: -kv[1])), host_us, device_us, host_profile(step, x, dy)
-
-
-def host_and_device_us(
-    step: Callable[[torch.Tensor, torch.Tensor], None], x: torch.Tensor, dy: torch.Tensor
-) -> tuple[float, float]:
-    """The host's and the device's microseconds per step, measured apart: a sleep kernel queued first keeps
-    the GPU busy while the host enqueues ``PROFILE_ITERS`` steps, so no launch waits on the device (the
-    host time is its own) and the steps then run back to back (the device time has no gaps for the host).
-    Timing a step end to end gives the larger of the two; when the host's is the larger, the step is
-    host-bound and its time follows the host CPU's speed."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(PROFILE_ITERS):
-        step(x, dy)
-    host_us = 1e6 * (time.perf_counter() - t0) / PROFILE_ITERS
-    end.record()
-    torch.cuda.synchronize()
-    return host_us, 1e3 * start.elapsed_time(end) / PROFILE_ITERS
 
 
 def _short_path(file: str) -> str:
