@@ -598,7 +598,7 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
 
 
 # Registers per thread of the consumer and quantizer partitions (setmaxnreg; the producer warp keeps 40),
-# by B's dtype and quantizer warps. Two consumer warpgroups + the quantizer's warpgroup(s) + the producer's
+# by B's dtype. Two consumer warpgroups + the quantizer's warpgroup(s) + the producer's
 # warpgroup share 64K registers: their per-thread counts sum to <= 512. FP8 B: 232 per consumer (two
 # 64x128 accumulators + a partial at 128x256 tiles). High-precision B: the consumers (128x128 tiles: one
 # accumulator + a partial) give the quantizer its share; a bf16 tile stays packed in the quantizer's
@@ -607,11 +607,7 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
 # tried (consumers 144-168 / quantizer 64-88), so there is no 8-warp entry.
 # One warpgroup quantizes (see SM90_REGS).
 QUANTIZER_WARPS = 4
-SM90_REGS = {
-    (FP8_DTYPE, 4): (232, 0),
-    (torch.bfloat16, 4): (184, 104),
-    (torch.float32, 4): (160, 152),
-}
+SM90_REGS = {FP8_DTYPE: (232, 0), torch.bfloat16: (184, 104), torch.float32: (160, 152)}
 
 
 def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype, b_dtype: torch.dtype = FP8_DTYPE) -> int:
@@ -670,7 +666,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
         tail_desc = b_desc if b_tail is None else descriptor(b_tail.view(e * n_tail, b.shape[2]), (BLOCK, BLOCK))
     else:
         b_desc = tail_desc = descriptor(b.view(e * n, k), (config.block_n, BLOCK))
-    consumer_regs, quantizer_regs = SM90_REGS[b.dtype, QUANTIZER_WARPS]
+    consumer_regs, quantizer_regs = SM90_REGS[b.dtype]
     tiles = triton.cdiv(m, BLOCK) * (n // config.block_n)
     _grouped_gemm_fp8_blockwise_sm90_kernel[(min(tiles, sm_count(a.device)),)](
         descriptor(a, (BLOCK, BLOCK)),
@@ -714,7 +710,7 @@ def build_sm90_kernel(
     fp8 = torch.float8_e4m3fn
     quantize_b = b_dtype != fp8
     b_box = (BLOCK, BLOCK) if quantize_b else (config.block_n, BLOCK)
-    consumer_regs, quantizer_regs = SM90_REGS[b_dtype, QUANTIZER_WARPS]
+    consumer_regs, quantizer_regs = SM90_REGS[b_dtype]
     signature = {
         "a_desc": descriptor_signature((BLOCK, BLOCK), fp8),
         "b_desc": descriptor_signature(b_box, b_dtype),
