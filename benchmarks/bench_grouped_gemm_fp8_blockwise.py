@@ -344,6 +344,7 @@ def run_weights(passes: list[str]) -> list[dict]:
                 data, scale, data_t, scale_t = quantize_128x128(w, with_transpose=t, with_data=not t)
                 return op(a, sa, data_t if t else data, scale_t if t else scale, offs)
 
+            bf16_fn, bf16_args = bf16_grouped(p, which)
             ours_us = bench_us(
                 lambda a=a, sa=sa, w=w, offs=offs, t=t, op=op: op(a, sa, w, None, offs, transpose_b=t), [()]
             )
@@ -355,7 +356,7 @@ def run_weights(passes: list[str]) -> list[dict]:
                     "FP8 GEMM alone (weights quantized beforehand)",
                     lambda a=a, sa=sa, b8=b8, sb8=sb8, offs=offs, op=op: op(a, sa, b8, sb8, offs),
                 ),
-                ("bf16 torch._grouped_mm", functools.partial(*bf16_grouped(p, which)[:1], *bf16_grouped(p, which)[1])),
+                ("bf16 torch._grouped_mm", functools.partial(bf16_fn, *bf16_args)),
             ):
                 base_us = bench_us(fn, [()])
                 print(f"    {name}: {base_us:.1f} us", flush=True)

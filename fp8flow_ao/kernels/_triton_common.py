@@ -68,3 +68,13 @@ def nan_ignoring_amax(x, axis: tl.constexpr):
     :func:`pow2_scale_inv_and_scale` floors both to ``AMAX_EPS`` alike (``maximum`` is ``maxnum`` too).
     """
     return tl.max(tl.abs(x.to(tl.float32)), axis=axis)
+
+
+@triton.jit
+def quantize_tile(w):
+    """A whole block (any shape, e.g. one 128x128 weight tile) -> ``(E4M3 block, scale_inv)`` with one
+    power-of-two scale from its NaN-free amax: the 128x128 weight format (quantize_128x128, and the grouped
+    GEMM that quantizes weights as it loads them)."""
+    x = w.to(tl.float32)
+    scale_inv, scale = pow2_scale_inv_and_scale(tl.max(tl.max(nan_free_abs(x), axis=1), axis=0))
+    return (x * scale).to(tl.float8e4nv), scale_inv

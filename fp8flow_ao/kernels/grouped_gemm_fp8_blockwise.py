@@ -91,7 +91,7 @@ from fp8flow_ao.kernels._sm90_common import (
     sm90_store_halves,
     tma_load,
 )
-from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
+from fp8flow_ao.kernels._triton_common import pow2_scale_inv_and_scale, quantize_tile
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128_reference
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -149,9 +149,7 @@ def _quantized_weight_tile(w_ptr, tail_ptr, e, r, c, N_HEAD, N_TAIL, KW, TILE: t
         src = w_ptr + e.to(tl.int64) * N_HEAD * KW + rows[:, None] * KW + cols[None, :]
     else:
         src = tail_ptr + e.to(tl.int64) * N_TAIL * KW + (rows - N_HEAD)[:, None] * KW + cols[None, :]
-    x = tl.load(src).to(tl.float32)
-    scale_inv, scale = pow2_scale_inv_and_scale(tl.max(nan_ignoring_amax(x, axis=1), axis=0))
-    return (x * scale).to(tl.float8e4nv), scale_inv
+    return quantize_tile(tl.load(src))
 
 
 @triton.jit
@@ -653,12 +651,11 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_default_config`.
     """
     quantize_b = b.dtype != FP8_DTYPE
-    e, n, _, n_head, n_tail = _b_dims(b, b_tail, transpose_b)
+    out, (m, n, k, e, n_head, n_tail) = _output_and_dims(a, b, out_dtype, b_tail, transpose_b)
     config = config or sm90_default_config(n, b.dtype, out_dtype)
     if quantize_b and config.block_n != BLOCK:
         raise ValueError(f"{config}: a high-precision b is quantized in 128x128 tiles, so block_n must be 128")
     check_sm90_launch(a.device, config, n, out_dtype, sm90_smem_bytes(config, out_dtype, b.dtype))
-    out, (m, n, k, e, n_head, n_tail) = _output_and_dims(a, b, out_dtype, b_tail, transpose_b)
     if m == 0:
         return out
     if quantize_b:

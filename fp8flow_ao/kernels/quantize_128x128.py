@@ -29,7 +29,7 @@ import triton.language as tl
 from fp8flow_ao._checks import check_contiguous, check_multiple, check_same_device, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._registry import define_op
-from fp8flow_ao.kernels._triton_common import nan_free_abs, pow2_scale_inv_and_scale
+from fp8flow_ao.kernels._triton_common import quantize_tile
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -85,10 +85,7 @@ def _quantize_128x128_kernel(
     else:
         src = tail_ptr + e * (N - N_HEAD) * K + (rows - N_HEAD)[:, None] * K + cols[None, :]
     w = tl.load(src)
-    x = w.to(tl.float32)
-    amax = tl.max(tl.max(nan_free_abs(x), axis=1), axis=0)
-    scale_inv, scale = pow2_scale_inv_and_scale(amax)
-    q = (x * scale).to(tl.float8e4nv)
+    q, scale_inv = quantize_tile(w)
     if WITH_DATA:
         tl.store(data_ptr + base + rows[:, None] * K + cols[None, :], q)
         tl.store(scale_inv_ptr + (e * tiles_n + pid_n) * tiles_k + pid_k, scale_inv)
