@@ -131,8 +131,9 @@ def main() -> None:
         for r in bench_case(shape, total_rows, skewed, compiled)
     ]
     notes = (
-        "permute_pad rows time the whole public call: route_pad (sort + searchsorted + scatters on the "
-        "router ids) + the fused FP8 data+scale gather + permuted probs; route_pad_us is route_pad alone. "
+        "permute_pad rows time the whole public call: route_pad (three kernels: per-block expert counts, "
+        "their scan into offsets and bases, the row scatter) + the fused FP8 data+scale gather + permuted "
+        "probs; route_pad_us is route_pad alone. "
         "'gather only' rows time permute_pad_rows given src_rows. Bytes at the algorithmic minimum "
         "(x read once, all M_pad output rows written); gbps_rows_fetched counts each token row k times."
     )

@@ -76,6 +76,26 @@ def test_route_kernel_matches_reference(routing, probs_dtype):
         assert a.dtype == b.dtype and torch.equal(a.cpu(), b), name
 
 
+# Many routed-row blocks per kernel program grid (up to 1024 rows a block, fewer at more experts) and
+# more blocks than the offsets kernel scans at once (E = 256: 32 rows a block, 32 blocks a scan step).
+MULTI_BLOCK_ROUTINGS = [("skewed", 1500, 2, 9), ("distinct", 500, 8, 256), ("one_expert", 700, 3, 2)]
+
+
+@pytest.mark.parametrize("routing", MULTI_BLOCK_ROUTINGS, ids=lambda r: f"{r[0]}-T{r[1]}-k{r[2]}-E{r[3]}")
+def test_route_kernels_match_reference_across_blocks(routing):
+    """Rows of one expert spread over many blocks keep (token, slot) order: each block's base is the group
+    start plus the expert's rows in the blocks before it."""
+    kind, tokens, top_k, experts = routing
+    ids = make_routing(kind, tokens, top_k, experts, DEVICE)
+    probs = torch.rand(tokens, top_k, device=DEVICE)
+    got = launch_route_pad(ids, experts, probs)
+    want = route_pad_reference(ids.cpu(), experts, probs.cpu())
+    for name, a, b in zip(("probs", "src_rows", "dst_rows", "group_end_offsets"), got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b), name
+    src, dst, naive_ends = naive_route(ids.cpu(), experts)
+    assert got[1].cpu().tolist() == src and got[2].cpu().tolist() == dst and got[3].cpu().tolist() == naive_ends
+
+
 def test_out_of_range_ids_are_clamped_without_validation():
     """Without FP8FLOW_VALIDATE an id < 0 joins expert 0 and an id >= E the last expert: wrong routing,
     but the maps stay a permutation, so no later kernel reads out of bounds."""

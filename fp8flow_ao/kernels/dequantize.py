@@ -23,6 +23,7 @@ import triton.language as tl
 
 from fp8flow_ao._checks import check_contiguous, check_fp8, check_same_device, check_shape, check_tensor
 from fp8flow_ao._format import BLOCK, dequantize_rows_reference
+from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 
 LAYOUTS = ("rowwise", "colwise", "128x128")
@@ -96,8 +97,19 @@ def launch_dequantize(
     if out.numel() == 0:
         return out
     grid = (triton.cdiv(r, _BLOCK_R), triton.cdiv(c, BLOCK), b)
-    _dequantize_kernel[grid](
-        data, scale_inv, out, r, c, *strides, ROW_BLOCK=row_block, BLOCK_R=_BLOCK_R, BLOCK_C=BLOCK, num_warps=_NUM_WARPS
+    launch_kernel(
+        _dequantize_kernel,
+        grid,
+        data,
+        scale_inv,
+        out,
+        r,
+        c,
+        *strides,
+        ROW_BLOCK=row_block,
+        BLOCK_R=_BLOCK_R,
+        BLOCK_C=BLOCK,
+        num_warps=_NUM_WARPS,
     )
     return out
 

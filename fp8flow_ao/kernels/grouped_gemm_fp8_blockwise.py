@@ -72,6 +72,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     set_tma_workspace_allocator,
     sm_count,
 )
+from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._sm90_common import (
     SM90_BLOCK,
@@ -665,7 +666,9 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
         b_desc = tail_desc = descriptor(b.view(e * n, k), (config.block_n, BLOCK))
     consumer_regs, quantizer_regs = SM90_REGS[b.dtype]
     tiles = triton.cdiv(m, BLOCK) * (n // config.block_n)
-    _grouped_gemm_fp8_blockwise_sm90_kernel[(min(tiles, sm_count(a.device)),)](
+    launch_kernel(
+        _grouped_gemm_fp8_blockwise_sm90_kernel,
+        (min(tiles, sm_count(a.device)),),
         descriptor(a, (BLOCK, BLOCK)),
         b_desc,
         tail_desc,

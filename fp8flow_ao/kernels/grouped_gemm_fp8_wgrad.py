@@ -66,6 +66,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     set_tma_workspace_allocator,
     sm_count,
 )
+from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._sm90_common import (
     SM90_BLOCK,
@@ -457,7 +458,9 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
     check_tma_operand("a_t_scale", a_t_scale)  # the scales arrive by TMA too
     check_tma_operand("b_t_scale", b_t_scale)
     tiles = e * (n // BLOCK) * (k // config.block_n)
-    _grouped_gemm_fp8_wgrad_sm90_kernel[(min(tiles, sm_count(a_t.device)),)](
+    launch_kernel(
+        _grouped_gemm_fp8_wgrad_sm90_kernel,
+        (min(tiles, sm_count(a_t.device)),),
         descriptor(a_t, (BLOCK, BLOCK)),
         descriptor(b_t, (config.block_n, BLOCK)),
         # The scales as flat vectors: a 1-D box of one block's scales lands as a 1-D ring slot.

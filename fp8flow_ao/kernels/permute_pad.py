@@ -3,8 +3,13 @@
 Two steps, both on the device with sizes that depend only on shapes (no device-to-host sync, so they
 run under ``torch.compile(fullgraph=True)`` and CUDA graphs):
 
-1. :func:`route_pad` (a stable ``torch.sort`` of the ids + one Triton kernel) turns the router's top-k
-   expert ids ``[T, k]`` into the row maps and the group end offsets, and permutes the router probs.
+1. :func:`route_pad` (three Triton kernels, no sort: per-block expert counts, one program scanning
+   them into group offsets and per-block bases, a scatter of each block's rows) turns the router's
+   top-k expert ids ``[T, k]`` into the row maps and the group end offsets, and permutes the router
+   probs. It replaced a stable ``torch.sort`` + one kernel: measured on an H200 (torch 2.11), that sort
+   blocked the host until the device caught up when the GPU queue was busy (5.1 ms a call behind a
+   sleeping kernel), and route_pad took 336 us of host time per call inside the compiled Qwen-like
+   step (152 us now); device time 71 us for the three kernels, 55 us for the sort alone.
    Every expert's group starts at a multiple of 128 (rounded up, empty experts get a zero-length
    group) and lies inside ``M_pad = 128 * floor((T*k + E*127) / 128)``, a static upper bound on the
    padded total. Within an expert, rows keep (token, slot) order.
@@ -41,6 +46,7 @@ from fp8flow_ao._checks import (
     validation_enabled,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE
+from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import col_block
 
@@ -58,8 +64,11 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _TILE_BYTES = 8192
 # Widest column tile: 2 KiB of a row (FP8 D = 7168 gets 1024 columns: 7 tiles, no masked tail).
 _MAX_COL_BYTES = 2048
-# Route kernel: padded rows x expert lanes per program (the row -> expert lookup is a [rows, E] compare).
-_ROUTE_TILE = 4096
+# Route kernels: routed rows x expert lanes per program (a row's expert is a one-hot [rows, E] compare;
+# its rank within the block a cumsum down that), at most 1024 rows; pad-row defaults in 1024-row stores.
+_ROUTE_TILE = 8192
+_ROUTE_MAX_ROWS = 1024
+_ROUTE_FILL_BLOCK = 1024
 
 
 def padded_rows_bound(num_rows: int, num_experts: int) -> int:
@@ -69,72 +78,103 @@ def padded_rows_bound(num_rows: int, num_experts: int) -> int:
 
 
 @triton.jit
-def _upper_bound(sorted_ptr, n, values, steps):
-    """Per lane: the number of sorted entries ``<= values`` (a vectorised binary search, ``steps`` >= bit length of n)."""
-    lo = tl.zeros_like(values)
-    hi = lo + n
-    for _ in range(steps):
-        active = lo < hi
-        mid = lo + (hi - lo) // 2
-        right = active & (tl.load(sorted_ptr + mid, mask=active, other=0) <= values)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & ~right, mid, hi)
-    return lo
+def _clamped_expert_ids(ids_ptr, rows, row_ok, num_experts):
+    """The expert of each routed row, clamped into ``[0, E)`` (a bad id joins the first or last expert,
+    so no later kernel reads out of bounds); -1 past the last row, where no expert lane matches."""
+    ids = tl.load(ids_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+    return tl.where(row_ok, tl.minimum(tl.maximum(ids, 0), num_experts - 1), -1)
 
 
 @triton.jit
-def _route_pad_kernel(
-    sorted_ids_ptr,
-    order_ptr,
-    probs_ptr,
+def _route_count_kernel(
+    ids_ptr,
+    counts_ptr,
     src_rows_ptr,
-    dst_rows_ptr,
-    offsets_ptr,
     probs_out_ptr,
     num_routed,
     num_rows,
     num_experts,
-    search_steps,
+    fill_per_program,
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    FILL_BLOCK: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+):
+    """One program: the expert histogram of ``BLOCK_R`` routed rows (``counts[pid, :]``), and its share of
+    the padded rows' defaults (``src_rows`` -1, permuted probs 0) that the scatter then overwrites."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    expert = _clamped_expert_ids(ids_ptr, rows, rows < num_routed, num_experts)
+    e = tl.arange(0, BLOCK_E)
+    hits = (expert[:, None] == e[None, :]).to(tl.int32)
+    tl.store(counts_ptr + pid * BLOCK_E + e, tl.sum(hits, axis=0))
+    fill_start = pid * fill_per_program
+    fill_end = tl.minimum(fill_start + fill_per_program, num_rows)
+    for start in range(fill_start, fill_end, FILL_BLOCK):
+        offs = start + tl.arange(0, FILL_BLOCK)
+        ok = offs < fill_end
+        tl.store(src_rows_ptr + offs, tl.full([FILL_BLOCK], -1, tl.int32), mask=ok)
+        if HAS_PROBS:
+            tl.store(probs_out_ptr + offs, tl.zeros([FILL_BLOCK], tl.float32), mask=ok)
+
+
+@triton.jit
+def _route_offsets_kernel(
+    counts_ptr, offsets_ptr, num_blocks, num_experts, SCAN_R: tl.constexpr, BLOCK_E: tl.constexpr
+):
+    """One program: per expert, the 128-aligned group (ends to ``offsets``) and, in place of each block's
+    count, the padded row where that block's first row of the expert goes (the group start plus the
+    rows of the expert in the blocks before it)."""
+    e = tl.arange(0, BLOCK_E)
+    totals = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, num_blocks, SCAN_R):
+        blocks = start + tl.arange(0, SCAN_R)
+        ptrs = counts_ptr + blocks[:, None] * BLOCK_E + e[None, :]
+        totals += tl.sum(tl.load(ptrs, mask=(blocks < num_blocks)[:, None], other=0), axis=0)
+    padded = (totals + 127) // 128 * 128
+    group_ends = tl.cumsum(padded, 0)
+    tl.store(offsets_ptr + e, group_ends, mask=e < num_experts)
+    carry = group_ends - padded
+    for start in range(0, num_blocks, SCAN_R):
+        blocks = start + tl.arange(0, SCAN_R)
+        ptrs = counts_ptr + blocks[:, None] * BLOCK_E + e[None, :]
+        ok = (blocks < num_blocks)[:, None]
+        counts = tl.load(ptrs, mask=ok, other=0)
+        inclusive = tl.cumsum(counts, 0)
+        tl.store(ptrs, carry[None, :] + inclusive - counts, mask=ok)
+        carry += tl.sum(counts, axis=0)
+
+
+@triton.jit
+def _route_scatter_kernel(
+    ids_ptr,
+    bases_ptr,
+    probs_ptr,
+    src_rows_ptr,
+    dst_rows_ptr,
+    probs_out_ptr,
+    num_routed,
+    num_experts,
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
     HAS_PROBS: tl.constexpr,
 ):
-    """One program: ``BLOCK_R`` padded rows. Each program rebuilds the (tiny) per-expert table from the
-    sorted ids, then fills its rows by gathering: every padded row and every routed row is written
-    exactly once (no prefill, no atomics)."""
+    """One program: ``BLOCK_R`` routed rows to their padded rows, ``base[pid, expert]`` + the row's rank
+    among the block's earlier rows of its expert -- the order a stable sort by expert gives."""
     pid = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    last = num_experts - 1
-    # Sorted rows [count_starts[e], count_ends[e]) belong to expert e. Ids below 0 fall into expert 0
-    # and ids >= E into the last expert (clamped), so a bad id can never index out of bounds.
-    count_ends = tl.where(e >= last, num_routed, _upper_bound(sorted_ids_ptr, num_routed, e, search_steps))
-    below = _upper_bound(sorted_ids_ptr, num_routed, e - 1, search_steps)
-    count_starts = tl.where(e == 0, 0, tl.where(e > last, num_routed, below))
-    counts = count_ends - count_starts
-    padded = (counts + 127) // 128 * 128
-    group_ends = tl.cumsum(padded, 0)
-    group_starts = group_ends - padded
-    if pid == 0:
-        tl.store(offsets_ptr + e, group_ends, mask=e < num_experts)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < num_rows
-    # A row's expert: the number of groups ending at or before it (skips empty groups; E past the last).
-    expert = tl.sum(((group_ends[None, :] <= rows[:, None]) & (e[None, :] < num_experts)).to(tl.int32), axis=1)
-    pick = e[None, :] == expert[:, None]
-    within = rows - tl.sum(tl.where(pick, group_starts[None, :], 0), axis=1)
-    real = row_ok & (within < tl.sum(tl.where(pick, counts[None, :], 0), axis=1))
-    sorted_pos = tl.sum(tl.where(pick, count_starts[None, :], 0), axis=1) + within
-    flat = tl.load(order_ptr + sorted_pos, mask=real, other=-1).to(tl.int32)
-    tl.store(src_rows_ptr + rows, tl.where(real, flat, -1), mask=row_ok)
-    tl.store(dst_rows_ptr + flat, rows, mask=real)
+    row_ok = rows < num_routed
+    expert = _clamped_expert_ids(ids_ptr, rows, row_ok, num_experts)
+    e = tl.arange(0, BLOCK_E)
+    hits = expert[:, None] == e[None, :]
+    rank = tl.sum(tl.where(hits, tl.cumsum(hits.to(tl.int32), 0), 0), axis=1) - 1
+    base = tl.load(bases_ptr + pid * BLOCK_E + e)
+    dst = tl.sum(tl.where(hits, base[None, :], 0), axis=1) + rank
+    tl.store(dst_rows_ptr + rows, dst, mask=row_ok)
+    tl.store(src_rows_ptr + dst, rows, mask=row_ok)
     if HAS_PROBS:
-        p = tl.load(probs_ptr + flat, mask=real, other=0.0).to(tl.float32)
-        tl.store(probs_out_ptr + rows, p, mask=row_ok)
-
-
-def _sort_ids(expert_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # A stable sort keeps each expert's rows in (token, slot) order: deterministic across runs.
-    return torch.sort(expert_indices.reshape(-1).to(torch.int32), stable=True)
+        p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(probs_out_ptr + dst, p, mask=row_ok)
 
 
 def _empty_probs(expert_indices: torch.Tensor, probs: torch.Tensor | None, num_rows: int) -> torch.Tensor:
@@ -145,31 +185,52 @@ def _empty_probs(expert_indices: torch.Tensor, probs: torch.Tensor | None, num_r
 def launch_route_pad(
     expert_indices: torch.Tensor, num_experts: int, probs: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torch.sort + one Triton kernel (GPU, or CPU under ``TRITON_INTERPRET=1``); contract of :func:`route_pad_reference`."""
+    """Three Triton kernels, no sort (GPU, or CPU under ``TRITON_INTERPRET=1``); contract of
+    :func:`route_pad_reference`: per-block expert counts, one program turning them into group offsets and
+    per-block bases, then each block scatters its rows (module docstring)."""
     n, device = expert_indices.numel(), expert_indices.device
     num_rows = padded_rows_bound(n, num_experts)
-    sorted_ids, order = _sort_ids(expert_indices)
+    block_e = triton.next_power_of_2(num_experts)
+    block_r = min(_ROUTE_MAX_ROWS, max(16, _ROUTE_TILE // block_e))
+    num_blocks = max(1, triton.cdiv(n, block_r))  # >= 1: the pad-row defaults are written by these programs
+    ids = expert_indices.reshape(-1)
+    counts = torch.empty((num_blocks, block_e), dtype=torch.int32, device=device)
     src_rows = torch.empty(num_rows, dtype=torch.int32, device=device)
     dst_rows = torch.empty(n, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
     probs_out = _empty_probs(expert_indices, probs, num_rows)
-    block_e = triton.next_power_of_2(num_experts)
-    block_r = max(16, _ROUTE_TILE // block_e)
-    _route_pad_kernel[(max(1, triton.cdiv(num_rows, block_r)),)](  # >= 1 program: program 0 writes the offsets
-        sorted_ids,
-        order,
-        probs.reshape(-1) if probs is not None else sorted_ids,  # unread when HAS_PROBS is False
+    flags = {"BLOCK_E": block_e, "HAS_PROBS": probs is not None}
+    launch_kernel(
+        _route_count_kernel,
+        (num_blocks,),
+        ids,
+        counts,
         src_rows,
-        dst_rows,
-        offsets,
         probs_out,
         n,
         num_rows,
         num_experts,
-        n.bit_length(),
+        triton.cdiv(num_rows, num_blocks),
         BLOCK_R=block_r,
-        BLOCK_E=block_e,
-        HAS_PROBS=probs is not None,
+        FILL_BLOCK=_ROUTE_FILL_BLOCK,
+        **flags,
+        num_warps=4,
+    )
+    scan_r = max(1, _ROUTE_TILE // block_e)
+    launch_kernel(_route_offsets_kernel, (1,), counts, offsets, num_blocks, num_experts, SCAN_R=scan_r, BLOCK_E=block_e)
+    launch_kernel(
+        _route_scatter_kernel,
+        (num_blocks,),
+        ids,
+        counts,
+        probs.reshape(-1) if probs is not None else ids,  # unread when HAS_PROBS is False
+        src_rows,
+        dst_rows,
+        probs_out,
+        n,
+        num_experts,
+        BLOCK_R=block_r,
+        **flags,
         num_warps=4,
     )
     return probs_out, src_rows, dst_rows, offsets
@@ -185,17 +246,18 @@ def route_pad_reference(
     Out-of-range ids are clamped (below 0 -> expert 0, >= E -> the last), as in the kernel.
     """
     device, n = expert_indices.device, expert_indices.numel()
-    sorted_ids, order = _sort_ids(expert_indices)
+    # Clamped first, then a stable sort: each expert's rows in (token, slot) order, as the kernels place them.
+    clamped = expert_indices.reshape(-1).clamp(0, num_experts - 1).to(torch.int32)
+    sorted_ids, order = torch.sort(clamped, stable=True)
     experts = torch.arange(num_experts, dtype=torch.int32, device=device)
-    # Sorted rows of experts <= e, by binary search (a histogram with a static size); the last expert
-    # ends at n and the first starts at 0, which clamps out-of-range ids into them.
-    count_ends = torch.where(experts == num_experts - 1, n, torch.searchsorted(sorted_ids, experts, right=True))
+    # Sorted rows of experts <= e, by binary search (a histogram with a static size).
+    count_ends = torch.searchsorted(sorted_ids, experts, right=True)
     counts = torch.diff(count_ends, prepend=count_ends.new_zeros(1))
     padded = (counts + (BLOCK - 1)) // BLOCK * BLOCK
     group_ends = torch.cumsum(padded, 0)
     # Sorted row i is row i - count_start[e] of its expert e, whose group starts at group_end[e] - padded[e].
     shift = (group_ends - padded) - (count_ends - counts)
-    dst_sorted = torch.arange(n, device=device) + shift[sorted_ids.clamp(0, num_experts - 1).long()]
+    dst_sorted = torch.arange(n, device=device) + shift[sorted_ids.long()]
     dst_rows = torch.empty(n, dtype=torch.int32, device=device).scatter_(0, order, dst_sorted.to(torch.int32))
     num_rows = padded_rows_bound(n, num_experts)
     src_rows = torch.full((num_rows,), -1, dtype=torch.int32, device=device).scatter_(
@@ -342,7 +404,9 @@ def launch_permute_pad_rows(
     block_d = max(block_d, BLOCK) if has_scale else block_d
     block_m = max(1, _TILE_BYTES // (block_d * x.element_size()))
     grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(cols, block_d),)
-    _permute_pad_rows_kernel[grid](
+    launch_kernel(
+        _permute_pad_rows_kernel,
+        grid,
         _bits(x),
         _bits(x_scale) if has_scale else src_rows,  # unread when HAS_SCALE is False
         src_rows,

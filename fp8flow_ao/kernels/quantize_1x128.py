@@ -17,6 +17,7 @@ import triton.language as tl
 
 from fp8flow_ao._checks import check_row_major, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import nan_free_abs, pow2_scale_inv_and_scale
 
@@ -74,7 +75,9 @@ def launch_quantize_1x128(x: torch.Tensor, block_k: int | None = BLOCK) -> tuple
     block_pow2 = triton.next_power_of_2(block)
     block_m = min(_ROWS_PER_PROGRAM_1x128, max(1, _MAX_ELEMS_PER_PROGRAM // block_pow2))
     grid = (triton.cdiv(m, block_m), nb)
-    _quantize_1x128_kernel[grid](
+    launch_kernel(
+        _quantize_1x128_kernel,
+        grid,
         x,
         data,
         scale_inv,

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from fp8flow_ao._checks import check_group_end_offsets, check_multiple, check_row_major, check_same_device, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
 
@@ -128,7 +129,9 @@ def launch_quantize_dual_1x128(
     if num_tiles == 0:
         return row_data, row_scale, col_data, col_scale
     has_offsets = group_end_offsets is not None
-    _quantize_dual_1x128_kernel[(num_tiles,)](
+    launch_kernel(
+        _quantize_dual_1x128_kernel,
+        (num_tiles,),
         g,
         row_data,
         row_scale,

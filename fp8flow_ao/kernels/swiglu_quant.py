@@ -71,6 +71,7 @@ from fp8flow_ao._checks import (
     check_tensor,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
 
@@ -290,7 +291,9 @@ def launch_swiglu_quant(
     scale_inv = torch.empty((m, hidden // BLOCK), dtype=torch.float32, device=h.device)
     if m == 0:
         return data, scale_inv
-    _swiglu_quant_kernel[(triton.cdiv(m, config.block_m), hidden // BLOCK)](
+    launch_kernel(
+        _swiglu_quant_kernel,
+        (triton.cdiv(m, config.block_m), hidden // BLOCK),
         h,
         h if probs is None else probs,
         h if group_end_offsets is None else group_end_offsets,
@@ -330,7 +333,9 @@ def launch_swiglu_quant_backward(
     grad_probs = torch.empty((m if probs is not None else 0,), dtype=torch.float32, device=dev)
     if m == 0:
         return dh, dh_scale, dh_t, dh_t_scale, grad_probs
-    _swiglu_quant_backward_kernel[(m // BLOCK,)](
+    launch_kernel(
+        _swiglu_quant_backward_kernel,
+        (m // BLOCK,),
         grad_a,
         h,
         h if probs is None else probs,

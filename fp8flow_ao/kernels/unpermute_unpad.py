@@ -31,6 +31,7 @@ from fp8flow_ao._checks import (
     validate_index_range,
     validation_enabled,
 )
+from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import col_block
 
@@ -96,7 +97,9 @@ def launch_unpermute_unpad(
         return out
     block_t, block_d = _tiles(cols, y.element_size())
     grid = (triton.cdiv(num_tokens, block_t) * triton.cdiv(cols, block_d),)
-    _unpermute_unpad_kernel[grid](
+    launch_kernel(
+        _unpermute_unpad_kernel,
+        grid,
         y,
         dst_rows,
         probs if probs is not None else y,  # unread when HAS_PROBS is False
@@ -193,7 +196,9 @@ def launch_unpermute_unpad_backward(
     block_t, block_d = _tiles(cols, grad_out.element_size())
     token_programs = triton.cdiv(num_tokens, block_t)
     grid = (token_programs + triton.cdiv(num_rows, _ZERO_ROWS),)
-    _unpermute_unpad_backward_kernel[grid](
+    launch_kernel(
+        _unpermute_unpad_backward_kernel,
+        grid,
         grad_out,
         y if y is not None else grad_out,  # unread when HAS_Y is False
         probs if probs is not None else grad_out,  # unread when HAS_PROBS is False
