@@ -42,6 +42,16 @@ _current_device = torch.cuda.current_device
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints: ``triton.cdiv`` on the host is a ``ConstexprFunction`` (~3 us a call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (0 for 0), as ``triton.next_power_of_2`` but a plain function."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def _hooks_installed() -> bool:
     hook = knobs.runtime.launch_enter_hook
     # triton 3.6+: a HookChain (installed hooks in ``.calls``); older: None or a callable

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from fp8flow_ao import _format
+from fp8flow_ao.kernels._launch import next_pow2
 
 # Triton kernels may only read module globals that are tl.constexpr (plain floats fail to compile on
 # the GPU, while the interpreter accepts them silently).
@@ -49,7 +50,7 @@ def col_block(cols: int, max_block: int, min_block: int = 16) -> int:
     runs a masked tail (D = 7168 = 7 x 1024 gets 1024, not 2048 with a half-empty last tile); when
     none divides, the tile covers ``cols`` up to ``max_block`` and the last one is masked.
     """
-    widest = min(triton.next_power_of_2(max(cols, 1)), max_block)
+    widest = min(next_pow2(max(cols, 1)), max_block)
     block = widest
     while block >= min_block:
         if cols % block == 0:

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from fp8flow_ao._checks import check_contiguous, check_fp8, check_same_device, check_shape, check_tensor
 from fp8flow_ao._format import BLOCK, dequantize_rows_reference
-from fp8flow_ao.kernels._launch import launch_kernel
+from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 
 LAYOUTS = ("rowwise", "colwise", "128x128")
@@ -67,24 +67,24 @@ def _dequantize_kernel(
 def _scale_shape(shape: torch.Size, layout: str) -> tuple[int, ...]:
     """The ``scale_inv`` shape that goes with data of ``shape`` in ``layout``."""
     if layout == "rowwise":
-        return (*shape[:-1], triton.cdiv(shape[-1], BLOCK))
+        return (*shape[:-1], cdiv(shape[-1], BLOCK))
     if layout == "colwise":
         k, m = shape
-        return (triton.cdiv(m, BLOCK), k)
+        return (cdiv(m, BLOCK), k)
     *lead, n, k = shape
-    return (*lead, triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK))
+    return (*lead, cdiv(n, BLOCK), cdiv(k, BLOCK))
 
 
 def _kernel_view(shape: torch.Size, layout: str) -> tuple[int, int, int, int, tuple[int, int, int]]:
     """``(B, R, C, ROW_BLOCK, (s_b, s_r, s_c))`` of the table in the module docstring."""
     if layout == "rowwise":
         c = shape[-1]
-        return 1, shape.numel() // max(c, 1), c, 1, (0, triton.cdiv(c, BLOCK), 1)
+        return 1, shape.numel() // max(c, 1), c, 1, (0, cdiv(c, BLOCK), 1)
     if layout == "colwise":
         k, m = shape
         return 1, k, m, 1, (0, 1, k)
     *lead, n, k = shape
-    nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
+    nb, kb = cdiv(n, BLOCK), cdiv(k, BLOCK)
     return (lead[0] if lead else 1), n, k, BLOCK, (nb * kb, kb, 1)
 
 
@@ -96,7 +96,7 @@ def launch_dequantize(
     b, r, c, row_block, strides = _kernel_view(data.shape, layout)
     if out.numel() == 0:
         return out
-    grid = (triton.cdiv(r, _BLOCK_R), triton.cdiv(c, BLOCK), b)
+    grid = (cdiv(r, _BLOCK_R), cdiv(c, BLOCK), b)
     launch_kernel(
         _dequantize_kernel,
         grid,

@@ -72,7 +72,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     set_tma_workspace_allocator,
     sm_count,
 )
-from fp8flow_ao.kernels._launch import launch_kernel
+from fp8flow_ao.kernels._launch import cdiv, launch_kernel, next_pow2
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._sm90_common import (
     SM90_BLOCK,
@@ -279,7 +279,7 @@ def launch_grouped_gemm_fp8_blockwise_triton(
     if m == 0:
         return out
     set_tma_workspace_allocator(a.device)
-    grid = persistent_grid(a.device, lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]))
+    grid = persistent_grid(a.device, lambda meta: cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]))
     quantize_b = b.dtype != FP8_DTYPE
     launch(
         _grouped_gemm_fp8_blockwise_tuned,
@@ -299,7 +299,7 @@ def launch_grouped_gemm_fp8_blockwise_triton(
         n_tail,
         a.stride(0),
         a_scale.stride(0),
-        E_POW2=triton.next_power_of_2(e),
+        E_POW2=next_pow2(e),
         QUANTIZE_B=quantize_b,
         TRANSPOSE_B=transpose_b,
         config=INTERPRET_CONFIG if config is None and interpreting() else config,
@@ -665,7 +665,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
     else:
         b_desc = tail_desc = descriptor(b.view(e * n, k), (config.block_n, BLOCK))
     consumer_regs, quantizer_regs = SM90_REGS[b.dtype]
-    tiles = triton.cdiv(m, BLOCK) * (n // config.block_n)
+    tiles = cdiv(m, BLOCK) * (n // config.block_n)
     launch_kernel(
         _grouped_gemm_fp8_blockwise_sm90_kernel,
         (min(tiles, sm_count(a.device)),),
@@ -683,7 +683,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
         e,
         n_head,
         n_tail,
-        E_POW2=triton.next_power_of_2(e),
+        E_POW2=next_pow2(e),
         GROUP_M=config.group_m,
         STAGES=config.stages,
         ORDERED=config.ordered,
@@ -724,7 +724,7 @@ def build_sm90_kernel(
         **dict.fromkeys(_SM90_CONSTEXPRS, "constexpr"),
     }
     constexprs = {
-        "E_POW2": triton.next_power_of_2(num_experts),
+        "E_POW2": next_pow2(num_experts),
         "GROUP_M": config.group_m,
         "STAGES": config.stages,
         "ORDERED": config.ordered,

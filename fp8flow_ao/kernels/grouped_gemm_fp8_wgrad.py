@@ -66,7 +66,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     set_tma_workspace_allocator,
     sm_count,
 )
-from fp8flow_ao.kernels._launch import launch_kernel
+from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._sm90_common import (
     SM90_BLOCK,
@@ -224,9 +224,7 @@ def launch_grouped_gemm_fp8_wgrad_triton(
     if m == 0:
         return out
     set_tma_workspace_allocator(a_t.device)
-    grid = persistent_grid(
-        a_t.device, lambda meta: e * triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"])
-    )
+    grid = persistent_grid(a_t.device, lambda meta: e * cdiv(n, meta["BLOCK_M"]) * cdiv(k, meta["BLOCK_N"]))
     launch(
         _grouped_gemm_fp8_wgrad_tuned,
         grid,

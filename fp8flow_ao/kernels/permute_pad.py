@@ -46,7 +46,7 @@ from fp8flow_ao._checks import (
     validation_enabled,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE
-from fp8flow_ao.kernels._launch import launch_kernel
+from fp8flow_ao.kernels._launch import cdiv, launch_kernel, next_pow2
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import col_block
 
@@ -190,9 +190,9 @@ def launch_route_pad(
     per-block bases, then each block scatters its rows (module docstring)."""
     n, device = expert_indices.numel(), expert_indices.device
     num_rows = padded_rows_bound(n, num_experts)
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_pow2(num_experts)
     block_r = min(_ROUTE_MAX_ROWS, max(16, _ROUTE_TILE // block_e))
-    num_blocks = max(1, triton.cdiv(n, block_r))  # >= 1: the pad-row defaults are written by these programs
+    num_blocks = max(1, cdiv(n, block_r))  # >= 1: the pad-row defaults are written by these programs
     ids = expert_indices.reshape(-1)
     counts = torch.empty((num_blocks, block_e), dtype=torch.int32, device=device)
     src_rows = torch.empty(num_rows, dtype=torch.int32, device=device)
@@ -210,7 +210,7 @@ def launch_route_pad(
         n,
         num_rows,
         num_experts,
-        triton.cdiv(num_rows, num_blocks),
+        cdiv(num_rows, num_blocks),
         BLOCK_R=block_r,
         FILL_BLOCK=_ROUTE_FILL_BLOCK,
         **flags,
@@ -403,7 +403,7 @@ def launch_permute_pad_rows(
     block_d = col_block(cols, _MAX_COL_BYTES // x.element_size(), BLOCK if has_scale else 16)
     block_d = max(block_d, BLOCK) if has_scale else block_d
     block_m = max(1, _TILE_BYTES // (block_d * x.element_size()))
-    grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(cols, block_d),)
+    grid = (cdiv(num_rows, block_m) * cdiv(cols, block_d),)
     launch_kernel(
         _permute_pad_rows_kernel,
         grid,

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from fp8flow_ao._checks import check_row_major, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
-from fp8flow_ao.kernels._launch import launch_kernel
+from fp8flow_ao.kernels._launch import cdiv, launch_kernel, next_pow2
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import nan_free_abs, pow2_scale_inv_and_scale
 
@@ -67,14 +67,14 @@ def launch_quantize_1x128(x: torch.Tensor, block_k: int | None = BLOCK) -> tuple
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`quantize_1x128`."""
     m, k = x.shape
     block = _block_width(k, block_k)
-    nb = triton.cdiv(k, block)
+    nb = cdiv(k, block)
     data = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale_inv = torch.empty((m, nb), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return data, scale_inv
-    block_pow2 = triton.next_power_of_2(block)
+    block_pow2 = next_pow2(block)
     block_m = min(_ROWS_PER_PROGRAM_1x128, max(1, _MAX_ELEMS_PER_PROGRAM // block_pow2))
-    grid = (triton.cdiv(m, block_m), nb)
+    grid = (cdiv(m, block_m), nb)
     launch_kernel(
         _quantize_1x128_kernel,
         grid,

@@ -39,7 +39,7 @@ from fp8flow_ao._checks import (
     check_tensor,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, cast_to_fp8, dequantize_rows_reference, quantize_rows_reference
-from fp8flow_ao.kernels._launch import launch_kernel
+from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 
 # Any shift >= 19 sends every E4M3 value (|x| <= 448 < 2**9) below half the smallest subnormal
@@ -245,7 +245,7 @@ def launch_scaling_aware_transpose(
         return data_t, scale_inv_t
     c = config or default_transpose_config(k)
     row_tiles = m // BLOCK
-    programs = row_tiles * triton.cdiv(k // BLOCK, c.k_blocks_per_program)
+    programs = row_tiles * cdiv(k // BLOCK, c.k_blocks_per_program)
     launch_kernel(
         _scaling_aware_transpose_kernel,
         (programs,),

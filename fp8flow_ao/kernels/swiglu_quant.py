@@ -71,7 +71,7 @@ from fp8flow_ao._checks import (
     check_tensor,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
-from fp8flow_ao.kernels._launch import launch_kernel
+from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
 
@@ -293,7 +293,7 @@ def launch_swiglu_quant(
         return data, scale_inv
     launch_kernel(
         _swiglu_quant_kernel,
-        (triton.cdiv(m, config.block_m), hidden // BLOCK),
+        (cdiv(m, config.block_m), hidden // BLOCK),
         h,
         h if probs is None else probs,
         h if group_end_offsets is None else group_end_offsets,

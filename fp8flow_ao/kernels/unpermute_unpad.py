@@ -31,7 +31,7 @@ from fp8flow_ao._checks import (
     validate_index_range,
     validation_enabled,
 )
-from fp8flow_ao.kernels._launch import launch_kernel
+from fp8flow_ao.kernels._launch import cdiv, launch_kernel, next_pow2
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import col_block
 
@@ -96,7 +96,7 @@ def launch_unpermute_unpad(
     if num_tokens == 0 or cols == 0:
         return out
     block_t, block_d = _tiles(cols, y.element_size())
-    grid = (triton.cdiv(num_tokens, block_t) * triton.cdiv(cols, block_d),)
+    grid = (cdiv(num_tokens, block_t) * cdiv(cols, block_d),)
     launch_kernel(
         _unpermute_unpad_kernel,
         grid,
@@ -194,8 +194,8 @@ def launch_unpermute_unpad_backward(
     if num_rows == 0 or cols == 0:
         return grad_y, grad_probs.zero_()
     block_t, block_d = _tiles(cols, grad_out.element_size())
-    token_programs = triton.cdiv(num_tokens, block_t)
-    grid = (token_programs + triton.cdiv(num_rows, _ZERO_ROWS),)
+    token_programs = cdiv(num_tokens, block_t)
+    grid = (token_programs + cdiv(num_rows, _ZERO_ROWS),)
     launch_kernel(
         _unpermute_unpad_backward_kernel,
         grid,
@@ -214,7 +214,7 @@ def launch_unpermute_unpad_backward(
         token_programs,
         TOP_K=top_k,
         BLOCK_T=block_t,
-        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_K=next_pow2(top_k),
         BLOCK_R=_ZERO_ROWS,
         BLOCK_D=block_d,
         HAS_PROBS=probs is not None,
