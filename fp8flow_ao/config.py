@@ -88,8 +88,9 @@ class FP8FlowConfig(AOBaseConfig):
               ``torch.compile`` it runs as ``"forward"``. With FSDP2 outside torchtitan, call
               ``fp8flow_ao.weight_cache.EXPERT_WEIGHT_CACHE.invalidate()`` after each optimizer step.
 
-            Measured figures: :mod:`fp8flow_ao.weight_cache` (``"forward"`` was no faster than
-            ``"off"`` in the compiled layer benchmark).
+            Measured figures: :mod:`fp8flow_ao.weight_cache` (H200, compiled layer: ``"forward"`` 1.04-1.05x
+            faster than ``"off"`` at the DeepSeek-like shape, 1.02-1.04x at the Qwen-like one, holding
+            99.5% / 83% of BF16's activation memory instead of 22% / 30%).
         fsdp_fp8_all_gather: under FSDP2, all-gather the expert weights as 128x128 FP8 tiles + scales
             (0.50x the BF16 bytes; each rank quantizes only its own shard, once per step) instead of in
             their own dtype; the layer then uses the gathered tiles directly, and the dgrads' exact

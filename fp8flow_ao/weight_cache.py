@@ -22,13 +22,17 @@ tile themselves as they load it from the BF16 weights (the same bits: :class:`Ex
   many bytes as the BF16 weights) for as long as the weights live. Eager mode only: inside
   ``torch.compile`` it acts as ``"forward"`` (see below).
 
-Measured on one H200 (``bench_moe_layer.py``, torch.compile, DeepSeek-like T=4096, D=7168, H=2048,
-E=32, top-8, median of 3; 2026-11-23, before FC1's weight gradients left the layer contiguous, which
-took ~2 ms and ~1.3 GiB of peak off the step): ``"off"`` 14.68 ms, activations held 36% of BF16's;
-``"forward"`` 14.61 ms (within the spread), activations 113% of BF16's; peak 4.49 GiB for both
-(BF16: 3.31 GiB). ``"forward"`` saves one read of the BF16 weights, but the forward then writes both
-orientations, so the weight bytes written are the same: no measurable gain there. ``"step"`` runs as
-``"forward"`` under compile; its eager gain with gradient accumulation is not yet measured.
+Measured on one H200 (``bench_moe_layer.py``, torch.compile, median of 3, 2026-11-24, torch 2.11, triton
+3.6): DeepSeek-like (T=4096, D=7168, H=2048, E=32, top-8) ``"off"`` 13.15 / 13.75 ms (balanced / skewed),
+``"forward"`` 12.50 / 13.26 ms (1.05x / 1.04x faster): activations held 22% -> 99.5% of BF16's, peak
+3.21 -> 3.26 GiB (BF16: 3.39 GiB). Qwen3-30B-A3B-like (T=8192, D=2048, H=768, E=128, top-8) 4.50 / 4.67
+ms -> 4.33 / 4.59 ms: activations 30% -> 83% of BF16's, peak 1.50 -> 1.54 GiB (BF16: 1.64 GiB). The gain is
+the backward's second read of the BF16 weights (with the transpose, ``quantize_128x128`` moves 4 bytes a
+weight in one pass against 6 in two). An earlier measurement (2026-11-23) saw no gain, most likely
+because its variants shared one process and the autotuner, keyed on (N, K) only, had tuned on
+``"off"``'s forward-only pass (8 warps best) and served that to ``"forward"``'s transposing pass, which
+runs 1.5x faster with 4 warps (``quantize_128x128.default_config`` now picks per pass). ``"step"`` runs as ``"forward"`` under
+compile; its eager gain with gradient accumulation is not yet measured.
 
 When is a cached entry stale? An entry is keyed on each source tensor's identity (a weak reference to
 the tensor, or to its base for a view such as a DTensor's ``to_local()``), ``data_ptr``, shape,
