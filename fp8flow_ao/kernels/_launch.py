@@ -15,13 +15,12 @@ specialized), so one entry never serves two of Triton's specializations.
 Not taken (``kernel[grid]`` is called as is): under ``TRITON_INTERPRET=1``; while a Triton launch hook
 is installed (e.g. the proton profiler, which needs the launch metadata); for kernels that are not
 plain ``JITFunction`` s (autotuners); on a Triton whose ``CompiledKernel`` lacks the launcher fields
-this module calls (checked once per entry). Changing Triton knobs that enter the compile options
+this module calls (checked at each first launch of a key). Changing Triton knobs that enter the compile options
 (``TRITON_DEBUG``, instrumentation) after a kernel's first launch is not seen by the cache.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,12 +68,11 @@ def _specialize(arg: Any) -> Any:
 def _constexpr_tail(kernel: JITFunction, n_args: int, constexprs: dict[str, Any]) -> tuple[Any, ...]:
     """The values of the kernel's parameters after its ``n_args`` runtime ones, in declaration order
     (the launcher takes every parameter and ignores the constexpr ones)."""
-    name = kernel.fn.__name__
-    runtime = [p.name for p in kernel.params[n_args:] if not p.is_constexpr]
+    name, params = kernel.fn.__name__, kernel.params[n_args:]
+    runtime = [p.name for p in params if not p.is_constexpr]
     if runtime:  # as keywords they would key the cache by value: one entry per call
         raise TypeError(f"launch_kernel({name}): pass the runtime parameters {runtime} positionally")
-    params = list(inspect.signature(kernel.fn).parameters.values())[n_args:]
-    missing = [p.name for p in params if p.name not in constexprs and p.default is inspect.Parameter.empty]
+    missing = [p.name for p in params if p.name not in constexprs and not p.has_default]
     if missing:
         raise TypeError(f"launch_kernel({name}): missing constexpr parameters {missing}")
     return tuple(constexprs.get(p.name, p.default) for p in params)
