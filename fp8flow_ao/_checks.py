@@ -127,3 +127,15 @@ def check_positive_int(name: str, value: object) -> None:
     """Raise unless ``value`` is a positive Python ``int`` (``bool`` excluded)."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_no_grad(op: str, *tensors: torch.Tensor | None) -> None:
+    """Raise where autograd would have to differentiate through ``fp8flow::<op>``, an op without a
+    gradient formula (see :mod:`fp8flow_ao.kernels._registry`): grad mode on and an input requiring grad.
+    """
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"fp8flow::{op} has no gradient formula: FP8-Flow differentiates through it in its own autograd "
+            "Functions (fp8flow_ao.moe, fp8flow_ao.grouped_mm); call it on inputs that do not require grad, "
+            "or under torch.no_grad()"
+        )

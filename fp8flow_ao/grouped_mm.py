@@ -50,7 +50,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch.autograd.function import once_differentiable
 
+# Importing the kernel modules registers the ops that _Float8GroupedMM calls through torch.ops.
+import fp8flow_ao.kernels.quantize_128x128
+import fp8flow_ao.kernels.quantize_dual_1x128
+import fp8flow_ao.kernels.scaling_aware_transpose  # noqa: F401
 from fp8flow_ao._checks import (
     check_group_end_offsets,
     check_multiple,
@@ -61,16 +66,14 @@ from fp8flow_ao._checks import (
     validation_enabled,
 )
 from fp8flow_ao._format import BLOCK, cast_to_fp8, nan_free_abs, pow2_scale_inv
-from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import grouped_gemm_fp8_blockwise, quantize_in_gemm_pays
+from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import OUT_DTYPES, quantize_in_gemm_pays
 from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows, route_pad
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
-from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
-from fp8flow_ao.kernels.quantize_dual_1x128 import quantize_dual_1x128
-from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 from fp8flow_ao.tensor import Float8BlockwiseActivation
 
+_OPS = torch.ops.fp8flow
 Recipe = Literal["blockwise", "rowwise"]
 RECIPES: tuple[str, ...] = ("blockwise", "rowwise")
 _HP_DTYPES = (torch.bfloat16, torch.float32)
@@ -90,12 +93,20 @@ def _weight_from_b_t(b_t: torch.Tensor) -> torch.Tensor:
     return w if w.is_contiguous() else w.contiguous()
 
 
-def _check_args(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor, recipe: str, offs_aligned: bool) -> None:
+def _check_args(
+    a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor, recipe: str, out_dtype: torch.dtype, offs_aligned: bool
+) -> None:
+    """Everything the op's kernels need of the caller's arguments: checked here once (see forward)."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     if isinstance(a, Float8BlockwiseActivation):
         if recipe != "blockwise":
             raise TypeError("a Float8BlockwiseActivation input needs recipe='blockwise' (row-wise scales differ)")
+        data, scale = a.data_and_scale()
+        check_row_major("a's FP8 data", data)
+        check_row_major("a's scales", scale)
     else:
         check_tensor("a", a, dtypes=_HP_DTYPES, ndim=2)
         check_row_major("a", a)
@@ -180,50 +191,56 @@ def _scaled_grouped_mm(
     return _scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs).to(out_dtype)
 
 
-def _grad_accumulator(b_t: torch.Tensor) -> torch.autograd.graph.Node | None:
-    """Where ``b_t``'s gradient ends up, when it may be accumulated in the wgrad epilogue: the
-    ``AccumulateGrad`` node of the plain leaf ``W`` with ``b_t = W.transpose(-2, -1)`` (torchtitan's
-    call), whose ``[E, N, K]`` gradient is the wgrad output's layout. ``None`` under
-    ``torch.compile`` (the traced backward must not depend on whether ``.grad`` existed when it was
-    traced), without grad mode, and for anything else: a leaf ``b_t`` (autograd keeps its gradient
-    in ``b_t``'s ``[E, K, N]`` layout, which the epilogue's rows do not match), another view, a
-    subclass such as FSDP2's DTensor parameters, a non-leaf weight."""
+def _grad_leaf(b_t: torch.Tensor) -> torch.Tensor | None:
+    """The weight whose gradient the wgrad epilogue may add into: the plain leaf ``W`` with ``b_t =
+    W.transpose(-2, -1)`` (torchtitan's call), whose ``[E, N, K]`` gradient is the wgrad output's layout.
+    ``None`` under ``torch.compile`` (the traced backward must not depend on whether ``.grad`` existed
+    when it was traced), without grad mode, and for anything else: a leaf ``b_t`` (autograd keeps its
+    gradient in ``b_t``'s ``[E, K, N]`` layout, which the epilogue's rows do not match), another view, a
+    subclass such as FSDP2's DTensor parameters, a non-leaf weight. Metadata only: whether the fusion
+    happens is decided in backward (:func:`_fused_grad_target`)."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not b_t.requires_grad:
         return None
     w = b_t._base
-    if w is None or not (w.is_leaf and w.requires_grad) or type(w) not in (torch.Tensor, torch.nn.Parameter):
+    if w is None or w.dim() != 3 or not (w.is_leaf and w.requires_grad):
         return None
-    w_t = w.transpose(-2, -1) if w.dim() == 3 else w
-    if (b_t.shape, b_t.stride(), b_t.storage_offset()) != (w_t.shape, w_t.stride(), w_t.storage_offset()):
+    if type(w) not in (torch.Tensor, torch.nn.Parameter) or b_t.storage_offset() != w.storage_offset():
         return None
-    return torch.autograd.graph.get_gradient_edge(w).node
+    e, n, k = w.shape
+    if b_t.shape != (e, k, n) or b_t.stride() != (w.stride(0), w.stride(2), w.stride(1)):
+        return None
+    return w
 
 
-def _fused_grad_target(accumulator: torch.autograd.graph.Node | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """The weight's existing gradient (``[E, N, K]`` contiguous) to add ``dW`` into in the wgrad
-    epilogue (backward then returns ``None`` for ``b_t``), or ``None`` for the plain path.
+def _fused_grad_target(w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``w``'s existing gradient (``[E, N, K]`` contiguous) to add ``dW`` into in the wgrad epilogue
+    (backward then returns ``None`` for ``b_t``), or ``None`` for the plain path. ``w``: from
+    :func:`_grad_leaf`, or ``None`` where this backward runs under ``create_graph``.
 
     Fused only when it is exactly what autograd would do: this backward is a ``.backward()`` that
     will run the weight's ``AccumulateGrad`` (not ``torch.autograd.grad``, which hands the gradient
     to its caller, nor ``.backward(inputs=...)`` without the weight), without ``create_graph``
-    (grad mode off: ``AccumulateGrad`` adds in place then too), and the weight has a plain
-    contiguous gradient of its dtype already and no tensor hooks (a hook would see ``None`` instead
-    of this contribution). ``AccumulateGrad`` still runs for the ``None``, so post-accumulate hooks
-    (and DDP's hooks on the node) fire after this addition and see the sum, as they would otherwise.
-    Not detectable, hence unsupported: pre-hooks registered on the ``AccumulateGrad`` node itself.
+    (``AccumulateGrad`` adds in place then too), and the weight has a plain contiguous gradient of its
+    dtype already and no tensor hooks (a hook would see ``None`` instead of this contribution).
+    ``AccumulateGrad`` still runs for the ``None``, so post-accumulate hooks (and DDP's hooks on the
+    node) fire after this addition and see the sum, as they would otherwise. Not detectable, hence
+    unsupported: pre-hooks registered on the ``AccumulateGrad`` node itself. The cheap tests come
+    first: without a gradient to add into (``torch.autograd.grad``, a first micro-batch) nothing else
+    is asked.
     """
-    if accumulator is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if w is None:
         return None
-    try:
-        if not torch._C._will_engine_execute_node(accumulator):
-            return None
-    except RuntimeError:  # raised for leaves under torch.autograd.grad(): the caller takes the gradient
-        return None
-    w = accumulator.variable
     grad = w.grad
     if grad is None or type(grad) is not torch.Tensor or grad.requires_grad or w._backward_hooks:
         return None
-    return grad if grad.dtype == dtype and grad.is_contiguous() else None
+    if grad.dtype != dtype or not grad.is_contiguous():
+        return None
+    try:
+        if not torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(w).node):
+            return None
+    except RuntimeError:  # raised for leaves under torch.autograd.grad(): the caller takes the gradient
+        return None
+    return grad
 
 
 class _PadRows(torch.autograd.Function):
@@ -268,35 +285,46 @@ class _Float8GroupedMM(torch.autograd.Function):
         offs: torch.Tensor,
         recipe: str,
         out_dtype: torch.dtype,
-        accumulator: torch.autograd.graph.Node | None,
+        grad_leaf: torch.Tensor | None,
         w_in_gemm: bool,
     ) -> torch.Tensor:
-        ctx.recipe, ctx.accumulator = recipe, accumulator
+        ctx.recipe, ctx.grad_leaf = recipe, grad_leaf
         ctx.a_dtype, ctx.b_dtype = a.dtype, b_t.dtype
         w = _weight_from_b_t(b_t)  # [E, N, K] row-major
         if recipe == "rowwise":
             return _rowwise_forward(ctx, a, w, offs, out_dtype)
+        # Checked once by fp8_grouped_mm (_check_args); the tensors made here go straight to the ops
+        # (torch.ops.fp8flow), without their public functions' checks again: the host time matters at
+        # fine-grained shapes, where the op is host-bound.
         if isinstance(a, Float8BlockwiseActivation):
             a_data, a_scale = a.data_and_scale()
         else:
             # A: 1x128 blocks along K, row-major [M, K] + [M, K/128]: the forward GEMM's LHS.
-            a_data, a_scale = quantize_1x128(a)
+            a_data, a_scale = _OPS.quantize_1x128(a, BLOCK)
         if w_in_gemm:
             # W itself (the parameter, saved by reference): forward and dgrad GEMMs quantize its 128x128 tiles.
             ctx.save_for_backward(a_data, a_scale, w, None, offs)
-            return grouped_gemm_fp8_blockwise(a_data, a_scale, w, None, offs, out_dtype=out_dtype)
+            return _OPS.grouped_gemm_fp8_blockwise(a_data, a_scale, w, None, offs, out_dtype)
         # W: 128x128 tiles [E, N, K] (forward RHS, K-major) and its exact transpose [E, K, N] (dgrad RHS).
-        w_data, w_scale, w_t_data, w_t_scale = quantize_128x128(w, with_transpose=True)
+        w_data, w_scale, w_t_data, w_t_scale = _OPS.quantize_128x128(w, True, True, None)
         ctx.save_for_backward(a_data, a_scale, w_t_data, w_t_scale, offs)
-        return grouped_gemm_fp8_blockwise(a_data, a_scale, w_data, w_scale, offs, out_dtype=out_dtype)
+        return _OPS.grouped_gemm_fp8_blockwise(a_data, a_scale, w_data, w_scale, offs, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        # Under create_graph the fused accumulation is not what autograd would do (it adds out of place):
+        # decided here, before _backward runs without grad mode.
+        fuse_into = ctx.grad_leaf if not torch.is_grad_enabled() else None
+        return _Float8GroupedMM._backward(ctx, grad_out, fuse_into)
+
+    @staticmethod
+    @once_differentiable  # the FP8 ops have no gradient formulas of their own
+    def _backward(ctx, grad_out: torch.Tensor, fuse_into: torch.Tensor | None):
         grad_out = grad_out.contiguous()  # e.g. the expanded gradient of a .sum()
         if ctx.recipe == "rowwise":
             grad_a, grad_w = _rowwise_backward(ctx, grad_out)
         else:
-            grad_a, grad_w = _blockwise_backward(ctx, grad_out)
+            grad_a, grad_w = _blockwise_backward(ctx, grad_out, fuse_into)
         # grad_w is [E, N, K] (None: already added to the weight's gradient); B_t is its transposed view.
         grad_b_t = None if grad_w is None else grad_w.to(ctx.b_dtype).transpose(-2, -1)
         return grad_a.to(ctx.a_dtype), grad_b_t, None, None, None, None, None
@@ -318,20 +346,20 @@ def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool
     )
 
 
-def _blockwise_backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _blockwise_backward(
+    ctx, grad_out: torch.Tensor, fuse_into: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     a_data, a_scale, w_t_data, w_t_scale, offs = ctx.saved_tensors
     # dOut [M, N]: row-wise 1x128 (dgrad LHS) and column-wise [N, M] (wgrad LHS) from one read.
-    g_data, g_scale, g_t_data, g_t_scale = quantize_dual_1x128(grad_out, offs)
+    g_data, g_scale, g_t_data, g_t_scale = _OPS.quantize_dual_1x128(grad_out, offs)
     # dA [M, K] = dOut @ W per group: RHS = the exact FP8 transpose W^T [E, K, N] (K-major for the GEMM),
     # or W itself (saved without scales) whose tiles the GEMM quantizes and transposes as it loads them.
     in_gemm = w_t_scale is None
-    grad_a = grouped_gemm_fp8_blockwise(
-        g_data, g_scale, w_t_data, w_t_scale, offs, out_dtype=torch.bfloat16, transpose_b=in_gemm
-    )
+    grad_a = _OPS.grouped_gemm_fp8_blockwise(g_data, g_scale, w_t_data, w_t_scale, offs, torch.bfloat16, None, in_gemm)
     # dW_e [N, K] = dOut_e^T A_e: A re-encoded column-wise [K, M] by exponent shift, no re-quantization.
-    a_t_data, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
+    a_t_data, a_t_scale = _OPS.scaling_aware_transpose(a_data, a_scale, offs)
     # Written in the weight's dtype by the epilogue, or added there into the gradient it already holds.
-    target = _fused_grad_target(ctx.accumulator, ctx.b_dtype)
+    target = _fused_grad_target(fuse_into, ctx.b_dtype)
     args = (g_t_data, g_t_scale, a_t_data, a_t_scale, offs)
     grad_w = grouped_gemm_fp8_wgrad(*args, out_dtype=ctx.b_dtype, accumulate_into=target)
     return grad_a, (grad_w if target is None else None)
@@ -395,13 +423,13 @@ def fp8_grouped_mm(
         gradient and ``.backward()`` will accumulate into it, the epilogue adds into that gradient
         in place instead (see :func:`_fused_grad_target` for the exact rule).
     """
-    _check_args(a, b_t, offs, recipe, offs_aligned)
-    accumulator = _grad_accumulator(b_t) if recipe == "blockwise" else None
+    _check_args(a, b_t, offs, recipe, out_dtype, offs_aligned)
+    grad_leaf = _grad_leaf(b_t) if recipe == "blockwise" else None
     w_in_gemm = _quantize_w_in_gemm(a.shape[0], b_t, recipe, offs_aligned)
     if offs_aligned:
-        return _Float8GroupedMM.apply(a, b_t, offs, recipe, out_dtype, accumulator, w_in_gemm)
+        return _Float8GroupedMM.apply(a, b_t, offs, recipe, out_dtype, grad_leaf, w_in_gemm)
     src_rows, dst_rows, padded_offs = _padded_groups(offs, a.shape[0])
     out = _Float8GroupedMM.apply(
-        _PadRows.apply(a, src_rows, dst_rows), b_t, padded_offs, recipe, out_dtype, accumulator, w_in_gemm
+        _PadRows.apply(a, src_rows, dst_rows), b_t, padded_offs, recipe, out_dtype, grad_leaf, w_in_gemm
     )
     return unpermute_unpad(out, dst_rows, 1)

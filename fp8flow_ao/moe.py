@@ -47,6 +47,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from fp8flow_ao._checks import check_multiple, check_row_major, check_same_device, check_tensor
 from fp8flow_ao.kernels.dequantize import dequantize
@@ -168,6 +169,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
 
     @staticmethod
     @_autocast_off
+    @once_differentiable  # the FP8 ops have no gradient formulas of their own
     def backward(ctx, grad_out):
         rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, *saved = ctx.saved_tensors
         kept, fc1_saved = split_kept(saved)

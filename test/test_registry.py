@@ -1,17 +1,31 @@
-"""The lean op registration (``fp8flow_ao.kernels._registry``): the autograd behaviour custom_op had."""
+"""The lean op registration (``fp8flow_ao.kernels._registry``): autograd only where an op has a formula."""
 
 import pytest
 import torch
 
 import fp8flow_ao.kernels.permute_pad  # noqa: F401  (registers fp8flow::route_pad)
-from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128_reference
+from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128, quantize_1x128_reference
 
 
-def test_backward_through_an_op_without_formula_raises():
-    """No silent fallback: torch's autograd fallback would only warn and could return wrong gradients."""
+def test_a_public_function_without_formula_refuses_inputs_that_need_a_gradient():
+    """No silent fallback: the op has no autograd kernel, so its public function refuses up front."""
+    x = torch.randn(4, 256, requires_grad=True)
+    with pytest.raises(RuntimeError, match="fp8flow::quantize_1x128 has no gradient formula"):
+        quantize_1x128(x)
+    with torch.no_grad():
+        data, _ = quantize_1x128(x)
+    assert not data.requires_grad
+    data, _ = quantize_1x128(x.detach())
+    assert not data.requires_grad
+
+
+def test_the_raw_op_without_formula_warns_on_backward():
+    """Called through torch.ops on an input that requires grad, torch's autograd fallback applies:
+    the op has no autograd kernel of ours (see _registry), and a backward through it warns."""
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("fp8flow::quantize_1x128", "Autograd")
     x = torch.randn(4, 256, requires_grad=True)
     data, scale = torch.ops.fp8flow.quantize_1x128(x, 128)
-    with pytest.raises(RuntimeError, match="fp8flow::quantize_1x128 has no gradient formula"):
+    with pytest.warns(UserWarning, match="autograd kernel was not registered"):
         (data.float() * scale.repeat_interleave(128, dim=1)).sum().backward()
 
 

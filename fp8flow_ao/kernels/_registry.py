@@ -5,12 +5,16 @@
 ``torch._disable_dynamo`` wrapper and its eval-frame guard. The compiled MoE layer is host-bound at the
 Qwen-like shape (23 op calls per forward + backward), so :func:`define_op` makes the same op -- schema
 inferred from the Python signature, default kernel, device kernel, fake, autograd formula -- with plain
-:class:`torch.library.Library` calls: the dispatcher calls the kernel right after the autograd kernel.
-Measured (CPU, torch 2.13, hot loop, a trivial op): 21-28 us per call with ``custom_op``, 18 us here;
-7.7 us with no autograd kernel at all, which this module does not use: torch's autograd fallback would
-then only warn when a backward runs through an op and could return wrong gradients, where ``custom_op``
-raises. So an op with no formula gets one that raises, as ``custom_op``'s does. In the compiled layer
-on an H200 the step's host time moved less than its own run-to-run spread (+-20%).
+:class:`torch.library.Library` calls: the dispatcher calls the kernel directly.
+
+Only ops with a gradient formula get an autograd kernel (torch's Python one, as ``custom_op``'s). The
+others -- quantizers, GEMMs, transposes: FP8-Flow differentiates through them in its own autograd
+Functions -- get none, since that kernel alone is over half an op call's dispatch cost (CPU, torch
+2.13, hot loop, a trivial op: 6.8 us a call with it, 3.0 without; the Python of each call is 4-5x
+slower on the GPU machines' hosts). Their public functions refuse inputs that would need a gradient
+(:func:`fp8flow_ao._checks.check_no_grad`) with a clear error. Calling such an op through
+``torch.ops.fp8flow`` directly on inputs that require grad, with grad mode on, gets torch's own autograd
+fallback: it warns when a backward runs through the op and gives its inputs no gradient.
 
 Mutated inputs get no version-counter bump here, so the one op that writes into an argument
 (``grouped_gemm_fp8_wgrad_accumulate``) stays a ``custom_op``.
@@ -36,12 +40,6 @@ class LeanOp:
         _LIB.define(name + torch.library.infer_schema(default, mutates_args=()))
         # The default kernel serves every device without its own (the CPU path), as in custom_op.
         _LIB.impl(name, default, "CompositeExplicitAutograd")
-        self._backward: Callable[..., Any] | None = None
-        self._setup_context: Callable[..., Any] | None = None
-        # One autograd kernel per op, registered now and pointing at the formula given later (if any).
-        torch.library.register_autograd(
-            self.qualname, self._run_backward, setup_context=self._run_setup_context, lib=_LIB
-        )
 
     def register_kernel(self, device_type: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator: ``fn`` is the op's kernel on ``device_type`` (e.g. ``"cuda"``)."""
@@ -58,21 +56,9 @@ class LeanOp:
         return fn
 
     def register_autograd(self, backward: Callable[..., Any], *, setup_context: Callable[..., Any]) -> None:
-        """The op's gradient formula, as for :func:`torch.library.register_autograd`."""
-        self._backward, self._setup_context = backward, setup_context
-
-    def _run_setup_context(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        if self._setup_context is not None:
-            self._setup_context(ctx, inputs, output)
-
-    def _run_backward(self, ctx: Any, *grads: Any) -> Any:
-        if self._backward is None:
-            raise RuntimeError(
-                f"{self.qualname} has no gradient formula: FP8-Flow differentiates through it in its own "
-                "autograd Functions (fp8flow_ao.moe, fp8flow_ao.grouped_mm); call it on inputs that do not "
-                "require grad, or under torch.no_grad()"
-            )
-        return self._backward(ctx, *grads)
+        """The op's gradient formula, as for :func:`torch.library.register_autograd` (ops without one
+        get no autograd kernel: see the module docstring)."""
+        torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=_LIB)
 
 
 def define_op(name: str) -> Callable[[Callable[..., Any]], LeanOp]:

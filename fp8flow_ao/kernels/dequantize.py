@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8flow_ao._checks import check_contiguous, check_fp8, check_same_device, check_shape, check_tensor
+from fp8flow_ao._checks import check_contiguous, check_fp8, check_no_grad, check_same_device, check_shape, check_tensor
 from fp8flow_ao._format import BLOCK, dequantize_rows_reference
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
@@ -174,4 +174,5 @@ def dequantize(
     )
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    check_no_grad("dequantize", data, scale_inv)
     return torch.ops.fp8flow.dequantize(data, scale_inv, layout, out_dtype)

@@ -53,6 +53,7 @@ from fp8flow_ao._checks import (
     check_fp8,
     check_group_end_offsets,
     check_multiple,
+    check_no_grad,
     check_row_major,
     check_same_device,
     check_shape,
@@ -930,6 +931,7 @@ def grouped_gemm_fp8_blockwise(
         the last group end are zero (never read from ``a``).
     """
     _check_inputs(a, a_scale, b, b_scale, group_end_offsets, out_dtype, b_tail, transpose_b)
+    check_no_grad("grouped_gemm_fp8_blockwise", a, a_scale, b, b_scale, b_tail)
     return torch.ops.fp8flow.grouped_gemm_fp8_blockwise(
         a, a_scale, b, b_scale, group_end_offsets, out_dtype, b_tail, transpose_b
     )

@@ -47,6 +47,7 @@ from fp8flow_ao._checks import (
     check_fp8,
     check_group_end_offsets,
     check_multiple,
+    check_no_grad,
     check_positive_int,
     check_same_device,
     check_shape,
@@ -711,4 +712,5 @@ def grouped_gemm_fp8_wgrad(
     if accumulate_into is not None:
         torch.ops.fp8flow.grouped_gemm_fp8_wgrad_accumulate(*args, accumulate_into)
         return accumulate_into
+    check_no_grad("grouped_gemm_fp8_wgrad", a_t, a_t_scale, b_t, b_t_scale)
     return torch.ops.fp8flow.grouped_gemm_fp8_wgrad(*args, out_dtype, n_chunks)

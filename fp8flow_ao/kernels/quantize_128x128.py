@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8flow_ao._checks import check_contiguous, check_multiple, check_same_device, check_tensor
+from fp8flow_ao._checks import check_contiguous, check_multiple, check_no_grad, check_same_device, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
@@ -277,6 +277,7 @@ def quantize_128x128(
                 f"w_tail {tuple(w_tail.shape)}"
             )
         check_multiple("w_tail", w_tail.shape[-2], what="dim N (-2)")
+    check_no_grad("quantize_128x128", w, w_tail)
     data, scale_inv, data_t, scale_inv_t = torch.ops.fp8flow.quantize_128x128(w, with_transpose, with_data, w_tail)
     forward = (data, scale_inv) if with_data else (None, None)
     return (*forward, *((data_t, scale_inv_t) if with_transpose else (None, None)))

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8flow_ao._checks import check_row_major, check_tensor
+from fp8flow_ao._checks import check_no_grad, check_row_major, check_tensor
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel, next_pow2
 from fp8flow_ao.kernels._registry import define_op
@@ -131,4 +131,5 @@ def quantize_1x128(x: torch.Tensor, block_k: int | None = BLOCK) -> tuple[torch.
     check_row_major("x", x)
     if block_k is not None and (not isinstance(block_k, int) or block_k <= 0):
         raise ValueError(f"block_k must be a positive int or None, got {block_k!r}")
+    check_no_grad("quantize_1x128", x)
     return torch.ops.fp8flow.quantize_1x128(x, block_k)

@@ -23,7 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8flow_ao._checks import check_group_end_offsets, check_multiple, check_row_major, check_same_device, check_tensor
+from fp8flow_ao._checks import (
+    check_group_end_offsets,
+    check_multiple,
+    check_no_grad,
+    check_row_major,
+    check_same_device,
+    check_tensor,
+)
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
@@ -215,4 +222,5 @@ def quantize_dual_1x128(
         if group_end_offsets.shape[0] == 0:
             raise ValueError("group_end_offsets must hold at least one group, got shape (0,)")
         check_same_device(g=g, group_end_offsets=group_end_offsets)
+    check_no_grad("quantize_dual_1x128", g)
     return torch.ops.fp8flow.quantize_dual_1x128(g, group_end_offsets)

@@ -34,6 +34,7 @@ from fp8flow_ao._checks import (
     check_fp8,
     check_group_end_offsets,
     check_multiple,
+    check_no_grad,
     check_same_device,
     check_shape,
     check_tensor,
@@ -365,4 +366,5 @@ def scaling_aware_transpose(
         if group_end_offsets.numel() == 0:
             raise ValueError("group_end_offsets must hold at least one group end, got an empty tensor")
     check_same_device(data=data, scale_inv=scale_inv, group_end_offsets=group_end_offsets)
+    check_no_grad("scaling_aware_transpose", data, scale_inv)
     return torch.ops.fp8flow.scaling_aware_transpose(data, scale_inv, group_end_offsets)

@@ -65,6 +65,7 @@ from fp8flow_ao._checks import (
     check_contiguous,
     check_group_end_offsets,
     check_multiple,
+    check_no_grad,
     check_row_major,
     check_same_device,
     check_shape,
@@ -577,6 +578,7 @@ def swiglu_quant(
         power of two.
     """
     _check_inputs(h, probs, group_end_offsets, score_before_experts)
+    check_no_grad("swiglu_quant", h, probs)
     return torch.ops.fp8flow.swiglu_quant(h, probs, group_end_offsets, score_before_experts)
 
 
@@ -611,5 +613,6 @@ def swiglu_quant_backward(
     check_row_major("grad_a", grad_a)
     check_shape("grad_a", grad_a, (h.shape[0], h.shape[1] // 2))
     check_same_device(grad_a=grad_a, h=h)
+    check_no_grad("swiglu_quant_backward", grad_a, h, probs)
     *dh, grad_probs = torch.ops.fp8flow.swiglu_quant_backward(grad_a, h, probs, group_end_offsets, score_before_experts)
     return (*dh, grad_probs if probs is not None else None)

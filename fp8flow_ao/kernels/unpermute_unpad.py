@@ -23,6 +23,7 @@ import triton.language as tl
 
 from fp8flow_ao._checks import (
     check_contiguous,
+    check_no_grad,
     check_positive_int,
     check_row_major,
     check_same_device,
@@ -422,5 +423,6 @@ def unpermute_unpad_backward(
     if validation_enabled():
         validate_index_range("src_rows", src_rows, -1, num_tokens * top_k)
         validate_index_range("dst_rows", dst_rows, 0, src_rows.shape[0])
+    check_no_grad("unpermute_unpad_backward", grad_out, y, probs)
     grad_y, grad_probs = torch.ops.fp8flow.unpermute_unpad_backward(grad_out, y, src_rows, dst_rows, probs, top_k)
     return grad_y, (grad_probs if y is not None else None)
