@@ -53,7 +53,7 @@ def test_descriptor_key_holds_what_triton_specializes_on():
     not by its tensor's address or shape, which the launcher reads on every launch."""
     a = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     b = torch.empty(512, 384, dtype=torch.float8_e4m3fn)
-    assert _launch._specialize(descriptor(a, (128, 128))) == _launch._specialize(descriptor(b, (128, 128)))
-    assert _launch._specialize(descriptor(a, (128, 128))) != _launch._specialize(descriptor(a, (64, 128)))
+    assert _launch._descriptor_key(descriptor(a, (128, 128))) == _launch._descriptor_key(descriptor(b, (128, 128)))
+    assert _launch._descriptor_key(descriptor(a, (128, 128))) != _launch._descriptor_key(descriptor(a, (64, 128)))
     c = torch.empty(256, 256, dtype=torch.bfloat16)
-    assert _launch._specialize(descriptor(a, (128, 128))) != _launch._specialize(descriptor(c, (128, 128)))
+    assert _launch._descriptor_key(descriptor(a, (128, 128))) != _launch._descriptor_key(descriptor(c, (128, 128)))

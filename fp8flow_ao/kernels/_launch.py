@@ -35,9 +35,13 @@ try:  # Triton's own specializer (C++; triton 3.4+)
 except ImportError:  # pragma: no cover - older Triton: every launch takes kernel[grid]
     native_specialize_impl = None
 
-# (kernel, device, specialization of each runtime argument, constexprs and options) -> launch entry
-_ENTRIES: dict[tuple[Any, ...], tuple[Callable[..., Any], Any, Any, tuple[Any, ...]]] = {}
-_current_device = torch.cuda.current_device
+# (id of the kernel, device, specialization of each runtime argument, constexprs and options) -> launch
+# entry, which holds the kernel itself so that its id stays its own. Keyed by id: hashing a JITFunction
+# hashes its source key in Python.
+_ENTRIES: dict[tuple[Any, ...], tuple[Callable[..., Any], Any, Any, tuple[Any, ...], JITFunction]] = {}
+# torch.cuda.current_device() without its Python lazy-init checks: CUDA is up once a kernel gets tensors
+# (a CPU-only torch has neither, and never gets here with a JITFunction to launch).
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -57,12 +61,10 @@ def _hooks_installed() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _specialize(arg: Any) -> Any:
-    if isinstance(arg, TensorDescriptor):
-        # What Triton's specialization of a descriptor holds (its dtype, block and layout), without the
-        # string it formats from them: the layout's repr made a descriptor 5x a tensor's cost.
-        return (arg.base.dtype, *arg.block_shape, arg.layout, arg.padding)
-    return native_specialize_impl(BaseBackend, arg, False, True, True)
+def _descriptor_key(arg: TensorDescriptor) -> tuple[Any, ...]:
+    # What Triton's specialization of a descriptor holds (its dtype, block and layout), without the
+    # string it formats from them: the layout's repr made a descriptor 5x a tensor's cost.
+    return (arg.base.dtype, *arg.block_shape, arg.layout, arg.padding)
 
 
 def _constexpr_tail(kernel: JITFunction, n_args: int, constexprs: dict[str, Any]) -> tuple[Any, ...]:
@@ -95,7 +97,14 @@ def launch_kernel(kernel: Any, grid: Sequence[int], *args: Any, **constexprs: An
         kernel[grid](*args, **constexprs)
         return
     device = _current_device()
-    key = (kernel, device, *map(_specialize, args), *constexprs.items())
+    # Inline, not a helper per argument: a launch takes 10-20 arguments and the frames add up.
+    specs = [
+        _descriptor_key(a)
+        if isinstance(a, TensorDescriptor)
+        else native_specialize_impl(BaseBackend, a, False, True, True)
+        for a in args
+    ]
+    key = (id(kernel), device, *specs, *constexprs.items())
     entry = _ENTRIES.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **constexprs)
@@ -105,9 +114,10 @@ def launch_kernel(kernel: Any, grid: Sequence[int], *args: Any, **constexprs: An
                 compiled.function,
                 compiled.packed_metadata,
                 _constexpr_tail(kernel, len(args), constexprs),
+                kernel,
             )
         return
-    run, function, metadata, tail = entry
+    run, function, metadata, tail, _ = entry
     grid_y = grid[1] if len(grid) > 1 else 1
     grid_z = grid[2] if len(grid) > 2 else 1
     run(grid[0], grid_y, grid_z, _raw_stream(device), function, metadata, None, None, None, *args, *tail)
