@@ -30,7 +30,8 @@ Recipes:
 
 * ``"blockwise"`` (FP8-Flow): ``A`` is quantized 1x128 (or arrives already in FP8 as a
   :class:`~fp8flow_ao.tensor.Float8BlockwiseActivation`), the weight 128x128 once per forward
-  together with its exact FP8 transpose. Saved for backward: FP8 ``A`` + scales and the transposed
+  together with its exact FP8 transpose (only where a backward will need ``dA``: not under
+  ``torch.no_grad()``). Saved for backward: FP8 ``A`` + scales and the transposed
   FP8 weight, never a BF16 activation. Backward: ``dA`` on the exactly transposed FP8 weight,
   ``dW`` on the scaling-aware transpose of the saved FP8 ``A`` and the column-wise half of
   ``quantize_dual_1x128(dOut)``. Where groups have few rows
@@ -287,6 +288,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         out_dtype: torch.dtype,
         grad_leaf: torch.Tensor | None,
         w_in_gemm: bool,
+        dgrad: bool,
     ) -> torch.Tensor:
         ctx.recipe, ctx.grad_leaf = recipe, grad_leaf
         ctx.a_dtype, ctx.b_dtype = a.dtype, b_t.dtype
@@ -305,9 +307,10 @@ class _Float8GroupedMM(torch.autograd.Function):
             # W itself (the parameter, saved by reference): forward and dgrad GEMMs quantize its 128x128 tiles.
             ctx.save_for_backward(a_data, a_scale, w, None, offs)
             return _OPS.grouped_gemm_fp8_blockwise(a_data, a_scale, w, None, offs, out_dtype)
-        # W: 128x128 tiles [E, N, K] (forward RHS, K-major) and its exact transpose [E, K, N] (dgrad RHS).
-        w_data, w_scale, w_t_data, w_t_scale = _OPS.quantize_128x128(w, True, True, None)
-        ctx.save_for_backward(a_data, a_scale, w_t_data, w_t_scale, offs)
+        # W: 128x128 tiles [E, N, K] (forward RHS, K-major) and, where a backward will need dA, its exact
+        # transpose [E, K, N] (dgrad RHS), written by the same pass.
+        w_data, w_scale, w_t_data, w_t_scale = _OPS.quantize_128x128(w, dgrad, True, None)
+        ctx.save_for_backward(a_data, a_scale, *((w_t_data, w_t_scale) if dgrad else (None, None)), offs)
         return _OPS.grouped_gemm_fp8_blockwise(a_data, a_scale, w_data, w_scale, offs, out_dtype)
 
     @staticmethod
@@ -325,9 +328,11 @@ class _Float8GroupedMM(torch.autograd.Function):
             grad_a, grad_w = _rowwise_backward(ctx, grad_out)
         else:
             grad_a, grad_w = _blockwise_backward(ctx, grad_out, fuse_into)
-        # grad_w is [E, N, K] (None: already added to the weight's gradient); B_t is its transposed view.
+        # grad_w is [E, N, K] (None: not asked for, or already added to the weight's gradient); B_t is its
+        # transposed view.
+        grad_a = None if grad_a is None else grad_a.to(ctx.a_dtype)
         grad_b_t = None if grad_w is None else grad_w.to(ctx.b_dtype).transpose(-2, -1)
-        return grad_a.to(ctx.a_dtype), grad_b_t, None, None, None, None, None
+        return grad_a, grad_b_t, None, None, None, None, None, None
 
 
 def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool) -> bool:
@@ -348,14 +353,21 @@ def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool
 
 def _blockwise_backward(
     ctx, grad_out: torch.Tensor, fuse_into: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     a_data, a_scale, w_t_data, w_t_scale, offs = ctx.saved_tensors
+    needs_a, needs_w = ctx.needs_input_grad[:2]
     # dOut [M, N]: row-wise 1x128 (dgrad LHS) and column-wise [N, M] (wgrad LHS) from one read.
     g_data, g_scale, g_t_data, g_t_scale = _OPS.quantize_dual_1x128(grad_out, offs)
-    # dA [M, K] = dOut @ W per group: RHS = the exact FP8 transpose W^T [E, K, N] (K-major for the GEMM),
-    # or W itself (saved without scales) whose tiles the GEMM quantizes and transposes as it loads them.
-    in_gemm = w_t_scale is None
-    grad_a = _OPS.grouped_gemm_fp8_blockwise(g_data, g_scale, w_t_data, w_t_scale, offs, torch.bfloat16, None, in_gemm)
+    grad_a = None
+    if needs_a:
+        # dA [M, K] = dOut @ W per group: RHS = the exact FP8 transpose W^T [E, K, N] (K-major for the GEMM),
+        # or W itself (saved without scales) whose tiles the GEMM quantizes and transposes as it loads them.
+        in_gemm = w_t_scale is None
+        grad_a = _OPS.grouped_gemm_fp8_blockwise(
+            g_data, g_scale, w_t_data, w_t_scale, offs, torch.bfloat16, None, in_gemm
+        )
+    if not needs_w:
+        return grad_a, None
     # dW_e [N, K] = dOut_e^T A_e: A re-encoded column-wise [K, M] by exponent shift, no re-quantization.
     a_t_data, a_t_scale = _OPS.scaling_aware_transpose(a_data, a_scale, offs)
     # Written in the weight's dtype by the epilogue, or added there into the gradient it already holds.
@@ -426,10 +438,11 @@ def fp8_grouped_mm(
     _check_args(a, b_t, offs, recipe, out_dtype, offs_aligned)
     grad_leaf = _grad_leaf(b_t) if recipe == "blockwise" else None
     w_in_gemm = _quantize_w_in_gemm(a.shape[0], b_t, recipe, offs_aligned)
+    # Whether a backward will ask for dA: else the forward writes no transposed FP8 weight (inference, no_grad).
+    dgrad = torch.is_grad_enabled() and a.requires_grad
+    args = (recipe, out_dtype, grad_leaf, w_in_gemm, dgrad)
     if offs_aligned:
-        return _Float8GroupedMM.apply(a, b_t, offs, recipe, out_dtype, grad_leaf, w_in_gemm)
+        return _Float8GroupedMM.apply(a, b_t, offs, *args)
     src_rows, dst_rows, padded_offs = _padded_groups(offs, a.shape[0])
-    out = _Float8GroupedMM.apply(
-        _PadRows.apply(a, src_rows, dst_rows), b_t, padded_offs, recipe, out_dtype, grad_leaf, w_in_gemm
-    )
+    out = _Float8GroupedMM.apply(_PadRows.apply(a, src_rows, dst_rows), b_t, padded_offs, *args)
     return unpermute_unpad(out, dst_rows, 1)

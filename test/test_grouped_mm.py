@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import DEVICE
 from fp8_helpers import sqnr_db
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.grouped_mm import fp8_grouped_mm
@@ -302,6 +303,65 @@ def test_gpu_kernels_numerics_and_no_sync(recipe, groups):
     """Triton kernels (and torch._scaled_grouped_mm) at a moderate shape, with device syncs forbidden."""
     ends = {"balanced": [1024, 2048, 3072, 4096], "skewed": [0, 3072, 3072, 4096]}[groups]
     _check_numerics(ends, recipe, device="cuda", shape=(4096, 1024, 2048), sync_debug=True)
+
+
+class _FP8FlowCalls(TorchDispatchMode):
+    """Every fp8flow op call with its arguments, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fp8flow":
+            self.calls.append((func._opname, args))
+        return func(*args, **(kwargs or {}))
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+    def transposes_asked(self) -> list[bool]:
+        """``with_transpose`` of each quantize_128x128 call."""
+        return [args[1] for name, args in self.calls if name == "quantize_128x128"]
+
+
+# More than 128 rows per expert: the weight is quantized apart (quantize_128x128), not in the GEMMs.
+SEPARATE_QUANTIZE_GROUPS = [256, 512, 1024, 1024]
+
+
+@pytest.mark.parametrize("frozen", ["a", "w"])
+def test_backward_computes_only_the_gradients_asked_for(frozen):
+    """A frozen weight: no scaling-aware transpose, no wgrad. An input that needs no gradient: no
+    transposed FP8 weight in forward, no dgrad GEMM. The gradients computed are the same bits."""
+    a, w, offs = _inputs(SEPARATE_QUANTIZE_GROUPS, m=1024)
+    out_full, grad_a_full, grad_w_full, grad_out = _run(a, w, offs, "blockwise")
+    (a if frozen == "a" else w).requires_grad_(False)
+    with _FP8FlowCalls() as mode:
+        out = fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=True)
+        out.backward(grad_out)
+    assert torch.equal(out, out_full)
+    names = mode.names()
+    if frozen == "a":
+        assert a.grad is None and torch.equal(w.grad, grad_w_full)
+        assert mode.transposes_asked() == [False]
+        assert names.count("grouped_gemm_fp8_blockwise") == 1  # forward only
+        assert names.count("scaling_aware_transpose") == names.count("grouped_gemm_fp8_wgrad") == 1
+    else:
+        assert w.grad is None and torch.equal(a.grad, grad_a_full)
+        assert mode.transposes_asked() == [True]
+        assert names.count("grouped_gemm_fp8_blockwise") == 2
+        assert names.count("scaling_aware_transpose") == names.count("grouped_gemm_fp8_wgrad") == 0
+
+
+def test_no_grad_forward_writes_no_transposed_weight():
+    """Under torch.no_grad() no backward follows: the weight is quantized in its forward orientation only,
+    and the output is the same bits as with grad mode on."""
+    a, w, offs = _inputs(SEPARATE_QUANTIZE_GROUPS, m=1024)
+    with_grad = fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=True)
+    with torch.no_grad(), _FP8FlowCalls() as mode:
+        out = fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=True)
+    assert mode.transposes_asked() == [False]
+    assert torch.equal(out, with_grad.detach())
 
 
 def _loss(a, b_t, offs):
