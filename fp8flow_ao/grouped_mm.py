@@ -229,7 +229,7 @@ def _fused_grad_target(w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tens
     first: without a gradient to add into (``torch.autograd.grad``, a first micro-batch) nothing else
     is asked.
     """
-    if w is None:
+    if w is None or torch.compiler.is_compiling():  # (a compiled-autograd backward of an eager forward)
         return None
     grad = w.grad
     if grad is None or type(grad) is not torch.Tensor or grad.requires_grad or w._backward_hooks:
