@@ -8,7 +8,6 @@ import pytest
 import torch
 from conftest import DEVICE
 from fp8_helpers import sqnr_db
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.grouped_mm import fp8_grouped_mm
@@ -305,24 +304,17 @@ def test_gpu_kernels_numerics_and_no_sync(recipe, groups):
     _check_numerics(ends, recipe, device="cuda", shape=(4096, 1024, 2048), sync_debug=True)
 
 
-class _FP8FlowCalls(TorchDispatchMode):
-    """Every fp8flow op call with its arguments, in order."""
+class _FP8FlowCalls(FP8FlowOpCounter):
+    """The op counter, plus ``with_transpose`` of each quantize_128x128 call."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: list[tuple[str, tuple]] = []
+        self.transposes_asked: list[bool] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "fp8flow":
-            self.calls.append((func._opname, args))
-        return func(*args, **(kwargs or {}))
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.calls]
-
-    def transposes_asked(self) -> list[bool]:
-        """``with_transpose`` of each quantize_128x128 call."""
-        return [args[1] for name, args in self.calls if name == "quantize_128x128"]
+        if func.namespace == "fp8flow" and func._opname == "quantize_128x128":
+            self.transposes_asked.append(args[1])
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 # More than 128 rows per expert: the weight is quantized apart (quantize_128x128), not in the GEMMs.
@@ -340,17 +332,17 @@ def test_backward_computes_only_the_gradients_asked_for(frozen):
         out = fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=True)
         out.backward(grad_out)
     assert torch.equal(out, out_full)
-    names = mode.names()
+    counts = mode.counts
     if frozen == "a":
         assert a.grad is None and torch.equal(w.grad, grad_w_full)
-        assert mode.transposes_asked() == [False]
-        assert names.count("grouped_gemm_fp8_blockwise") == 1  # forward only
-        assert names.count("scaling_aware_transpose") == names.count("grouped_gemm_fp8_wgrad") == 1
+        assert mode.transposes_asked == [False]
+        assert counts["grouped_gemm_fp8_blockwise"] == 1  # forward only
+        assert counts["scaling_aware_transpose"] == counts["grouped_gemm_fp8_wgrad"] == 1
     else:
         assert w.grad is None and torch.equal(a.grad, grad_a_full)
-        assert mode.transposes_asked() == [True]
-        assert names.count("grouped_gemm_fp8_blockwise") == 2
-        assert names.count("scaling_aware_transpose") == names.count("grouped_gemm_fp8_wgrad") == 0
+        assert mode.transposes_asked == [True]
+        assert counts["grouped_gemm_fp8_blockwise"] == 2
+        assert counts["scaling_aware_transpose"] == counts["grouped_gemm_fp8_wgrad"] == 0
 
 
 def test_no_grad_forward_writes_no_transposed_weight():
@@ -360,7 +352,7 @@ def test_no_grad_forward_writes_no_transposed_weight():
     with_grad = fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=True)
     with torch.no_grad(), _FP8FlowCalls() as mode:
         out = fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=True)
-    assert mode.transposes_asked() == [False]
+    assert mode.transposes_asked == [False]
     assert torch.equal(out, with_grad.detach())
 
 

@@ -20,6 +20,7 @@ Layouts (all contiguous, row-major): ``w`` ``[E, N, K]`` or ``[N, K]``; ``data``
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -52,6 +53,7 @@ def quantize_128x128_configs() -> list[triton.Config]:
     ]
 
 
+@functools.cache  # called on every pass: build the config list once
 def default_config(with_transpose: bool) -> triton.Config:
     """The config a pass runs with: 4 warps when it writes the transpose, else 8 warps capped at 80
     registers. A fixed rule, not autotuning: Triton's autotuner keyed on (N, K) served the first pass's
