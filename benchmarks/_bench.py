@@ -11,6 +11,7 @@ import datetime
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,14 +47,18 @@ def n_rotations(bytes_per_set: int) -> int:
     return max(1, min(64, -(-ROTATE_BYTES // max(bytes_per_set, 1))))
 
 
+def _warm_up(fn: Callable[..., Any], arg_sets: Sequence[tuple]) -> None:
+    for args in arg_sets:  # compile, autotune, allocator: none of it belongs in a timing
+        fn(*args)
+    torch.cuda.synchronize()
+
+
 def bench_us(fn: Callable[..., Any], arg_sets: Sequence[tuple]) -> float:
     """Median time of ``fn(*args)`` in microseconds, rotating through ``arg_sets`` (CUDA events via do_bench)."""
     import triton.testing
 
     cycle = itertools.cycle(arg_sets)
-    for args in arg_sets:  # warm-up: compile, autotune, allocator
-        fn(*args)
-    torch.cuda.synchronize()
+    _warm_up(fn, arg_sets)
     ms = triton.testing.do_bench(lambda: fn(*next(cycle)), warmup=25, rep=200, return_mode="median")
     return ms * 1e3
 
@@ -62,24 +67,67 @@ def bench_us(fn: Callable[..., Any], arg_sets: Sequence[tuple]) -> float:
 SLEEP_CYCLES = 3_000_000_000
 
 
-def host_and_device_us(step: Callable[[], Any], iters: int = 5) -> tuple[float, float]:
+def host_and_device_us(
+    step: Callable[[], Any], iters: int = 5, sleep_cycles: int = SLEEP_CYCLES
+) -> tuple[float, float]:
     """The host's and the device's microseconds per ``step()``, measured apart: a sleep kernel queued first
     keeps the GPU busy while the host enqueues ``iters`` steps, so no launch waits on the device (the host
     time is its own) and the steps then run back to back (the device time has no gaps for the host).
     Timing a step end to end gives the larger of the two; when the host's is the larger, the step is
-    host-bound and its time follows the host CPU's speed. Warm the step up (compile, autotune) first."""
+    host-bound and its time follows the host CPU's speed. Warm the step up (compile, autotune) first.
+    Warns when the sleep ended before the host had enqueued every step (too short a sleep, a step that
+    waits on the device, or a launch queue full behind the sleep): the device time then has host gaps."""
     torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
+    torch.cuda._sleep(sleep_cycles)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     t0 = time.perf_counter()
     for _ in range(iters):
         step()
     host_us = 1e6 * (time.perf_counter() - t0) / iters
+    if start.query():
+        print(
+            f"WARNING host_and_device_us: the GPU went idle waiting for the host ({host_us:.0f} us/step)",
+            file=sys.stderr,
+        )
     end.record()
     torch.cuda.synchronize()
     return host_us, 1e3 * start.elapsed_time(end) / iters
 
+
+# device_us: calls per measurement. Their launches queue up behind the sleep, and the CUDA launch queue
+# holds ~1000 before the host blocks (and the host's pace leaks back in): keep iters * launches well below.
+DEVICE_ITERS = 25
+# ~0.1 s at Hopper clocks: enough for a slow host to enqueue DEVICE_ITERS calls of a few launches each,
+# short enough that sweeps of many configs stay within minutes (the warning above says when it was not).
+DEVICE_SLEEP_CYCLES = 200_000_000
+
+
+def device_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], iters: int = DEVICE_ITERS, repeats: int = 5) -> float:
+    """Device microseconds per ``fn(*args)`` with the host excluded (median of ``repeats`` measurements).
+
+    :func:`host_and_device_us` with ``iters`` calls rotating through ``arg_sets``: the calls' kernels
+    run back to back behind a sleep kernel, as in a step where the host runs ahead. Measures every
+    kernel ``fn`` launches (all launches of a multi-kernel op, output memsets) and the GPU's own gaps
+    between them. Does not measure the host (Python, dispatch, launch calls), which :func:`bench_us`
+    includes when it is slower than the device; nor is L2 flushed between calls: only the rotation of
+    ``arg_sets`` (larger than L2 in total, :func:`n_rotations`) keeps a call from reading the previous
+    call's inputs from L2, and a call's own outputs may still be in L2 for the next. ``fn`` must not
+    wait on the device (``.item()``, a host copy), and ``iters`` times its launches per call must stay
+    well under ~1000 (the launch queue's depth behind the sleep); both are reported as warnings.
+    """
+    _warm_up(fn, arg_sets)
+    cycle = itertools.cycle(arg_sets)
+    runs = [host_and_device_us(lambda: fn(*next(cycle)), iters, DEVICE_SLEEP_CYCLES)[1] for _ in range(repeats)]
+    return statistics.median(runs)
+
+
+# The sentence each memory-bound op's results carry in their notes, saying what device_us is.
+DEVICE_NOTE = (
+    "device_us: ours' device time per call with the host excluded (calls back to back behind a GPU sleep, "
+    "no L2 flush beyond the input rotation); device_pct_of_copy_bw: bytes_moved at device_us against the copy "
+    "bandwidth."
+)
 
 _COPY_GBPS: float | None = None
 
@@ -120,9 +168,15 @@ def row(
     *,
     bytes_moved: int | None = None,
     flops: float | None = None,
+    device_us: float | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """One result row in the PERF.md schema (speed-up = baseline time / ours)."""
+    """One result row in the PERF.md schema (speed-up = baseline time / ours); with ``device_us`` (ours,
+    :func:`device_us`), also ``device_us`` and ``device_pct_of_copy_bw``, the copy-bandwidth share at it."""
+
+    def pct_of_copy_bw(us: float) -> float | None:
+        return round(100 * bytes_moved / us / 1e3 / copy_bandwidth_gbps(), 1) if bytes_moved else None
+
     gbps = bytes_moved / ours_us / 1e3 if bytes_moved else None
     r = {
         "case": case,
@@ -131,9 +185,11 @@ def row(
         "baseline_us": None if baseline_us is None else round(baseline_us, 2),
         "speedup": None if baseline_us is None else round(baseline_us / ours_us, 3),
         "gbps": None if gbps is None else round(gbps, 1),
-        "pct_of_copy_bw": None if gbps is None else round(100 * gbps / copy_bandwidth_gbps(), 1),
+        "pct_of_copy_bw": pct_of_copy_bw(ours_us),
         "tflops": None if flops is None else round(flops / ours_us / 1e6, 1),
     }
+    if device_us is not None:
+        r.update(device_us=round(device_us, 2), device_pct_of_copy_bw=pct_of_copy_bw(device_us))
     r.update(extra)
     return r
 
@@ -218,7 +274,7 @@ def versus_baseline(
     bytes_moved: int,
     **extra: Any,
 ) -> dict[str, Any]:
-    """One :func:`row`: ``ours`` and ``baseline`` timed on the same rotating inputs.
+    """One :func:`row`: ``ours`` and ``baseline`` timed on the same rotating inputs, plus ours device-only.
 
     First checks, on the first input set, that both give the same bits (kept as ``bit_exact``; a
     mismatch is printed, not raised, so the other cases still get measured).
@@ -226,9 +282,18 @@ def versus_baseline(
     exact = bits_equal(ours(*arg_sets[0]), baseline(*arg_sets[0]))
     if not exact:
         print(f"WARNING {case}: ours and {baseline_name} differ", file=sys.stderr)
-    ours_us = bench_us(ours, arg_sets)
+    ours_us, ours_device_us = bench_us(ours, arg_sets), device_us(ours, arg_sets)
     base_us = bench_us(baseline, arg_sets)
-    return row(case, ours_us, baseline_name, base_us, bytes_moved=bytes_moved, bit_exact=exact, **extra)
+    return row(
+        case,
+        ours_us,
+        baseline_name,
+        base_us,
+        bytes_moved=bytes_moved,
+        device_us=ours_device_us,
+        bit_exact=exact,
+        **extra,
+    )
 
 
 def import_deep_gemm() -> Any | None:

@@ -3,6 +3,7 @@
 Cases (PERF.md): row-wise ``[M, D]`` and column-wise ``[D, M]`` activations for M = 16384 and 32768
 routed rows, D = 7168; 128x128 weights W13 ``[E, 2H, D]`` for E = 8 and 32. bf16 output. Bytes at the
 algorithmic minimum: read data (1 B/elem) + read scale_inv (4 B per block) + write out (2 B/elem).
+``device_us`` (ours) is the call's device time with the host excluded (``_bench.device_us``).
 
     python benchmarks/bench_dequantize.py
 """
@@ -18,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench import n_rotations, versus_baseline, write_results  # noqa: E402
+from _bench import DEVICE_NOTE, n_rotations, versus_baseline, write_results  # noqa: E402
 
 from fp8flow_ao._format import FP8_DTYPE  # noqa: E402
 from fp8flow_ao.kernels.dequantize import _scale_shape, dequantize, dequantize_reference  # noqa: E402
@@ -52,7 +53,7 @@ def main() -> None:
         case = f"{layout} {'x'.join(map(str, shape))}"
         rows.append(versus_baseline(case, dequantize, compiled, BASELINE, sets, bytes_moved))
         del sets
-    write_results("dequantize", rows, "bytes = read fp8 data + fp32 scale_inv + write bf16 out.")
+    write_results("dequantize", rows, "bytes = read fp8 data + fp32 scale_inv + write bf16 out. " + DEVICE_NOTE)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ Bytes at the algorithmic minimum (each input read once, each output written once
 ``M_pad`` is the static bound the kernel writes in full (pad rows and the unused tail are zeroed).
 Each token row is read once at the minimum but fetched k times by the gather (from L2 when it stays
 there); ``gbps_rows_fetched`` counts those k fetches, the traffic if none of them hit L2.
+``device_us`` (ours, both row kinds) is the call's device time with the host excluded (``_bench.device_us``):
+``ours_us`` of the 5-launch end-to-end call follows the host CPU wherever the host is the slower.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _bench import bench_us, n_rotations, routed_expert_ids, row, write_results
+from _bench import DEVICE_NOTE, bench_us, device_us, n_rotations, routed_expert_ids, row, write_results
 
 from fp8flow_ao._format import BLOCK, FP8_DTYPE
 from fp8flow_ao.kernels.permute_pad import (
@@ -99,8 +101,10 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
     fetched = (total_rows - tokens) * (dim + nb * 4)  # the k-1 extra fetches of each token row
     case = f"{shape.name} T*k={total_rows} D={dim} E={experts} {'skewed' if skewed else 'balanced'}"
     full = {"what": "route_pad + gather + probs", "route_pad_us": round(route_us, 2)}
+    full["device_us"] = device_us(permute_pad, full_args)
     full["gbps_rows_fetched"] = round((full_bytes + fetched) / ours / 1e3, 1)
     part = {"what": "gather only", "gbps_rows_fetched": round((gather_bytes + fetched) / gather / 1e3, 1)}
+    part["device_us"] = device_us(permute_pad_rows, gather_sets)
     return [
         row(case, ours, "torch.compile(fullgraph) permute_pad_reference", ref_full, bytes_moved=full_bytes, **full),
         row(case, ours, "unfused eager (argsort, index_select, pad copy)", eager, bytes_moved=full_bytes, **full),
@@ -135,7 +139,7 @@ def main() -> None:
         "their scan into offsets and bases, the row scatter) + the fused FP8 data+scale gather + permuted "
         "probs; route_pad_us is route_pad alone. "
         "'gather only' rows time permute_pad_rows given src_rows. Bytes at the algorithmic minimum "
-        "(x read once, all M_pad output rows written); gbps_rows_fetched counts each token row k times."
+        "(x read once, all M_pad output rows written); gbps_rows_fetched counts each token row k times. " + DEVICE_NOTE
     )
     write_results("permute_pad", rows, notes)
 

@@ -4,6 +4,7 @@ of ``quantize_128x128_reference``.
 Cases (PERF.md, DeepSeek-V3-like experts): E = 8 and 32 experts of W13 ``[2H, D] = [4096, 7168]``
 and W2 ``[D, H] = [7168, 2048]``, bf16, ``with_transpose=True``. Bytes at the algorithmic minimum:
 read w (2 B/elem) + write data and data_t (1 B/elem each) + write both scale tensors (4 B per tile).
+``device_us`` (ours) is the call's device time with the host excluded (``_bench.device_us``).
 
     python benchmarks/bench_quantize_128x128.py
 """
@@ -18,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench import n_rotations, versus_baseline, write_results  # noqa: E402
+from _bench import DEVICE_NOTE, n_rotations, versus_baseline, write_results  # noqa: E402
 
 from fp8flow_ao._format import BLOCK  # noqa: E402
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128, quantize_128x128_reference  # noqa: E402
@@ -45,7 +46,7 @@ def main() -> None:
             case = f"{name} E={e} N={n} K={k}"
             rows.append(versus_baseline(case, quantize_128x128, compiled, BASELINE, sets, bytes_moved))
             del sets
-    notes = "bytes = read w bf16 + write fp8 data and data_t + fp32 scale_inv and scale_inv_t."
+    notes = "bytes = read w bf16 + write fp8 data and data_t + fp32 scale_inv and scale_inv_t. " + DEVICE_NOTE
     write_results("quantize_128x128", rows, notes)
 
 

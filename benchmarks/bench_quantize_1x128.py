@@ -3,7 +3,8 @@
 Cases (PERF.md): M = 16384 and 32768 routed rows x D = 7168, bf16, with 1 x 128 blocks and with one
 scale per row (``block_k=None``, the row-wise recipe's cast). Bytes at the algorithmic minimum: read
 x (2 B/elem) + write data (1 B/elem) + write scale_inv (4 B per block). Issue targets: >= 80% of copy
-bandwidth, >= 1.3x the compiled reference.
+bandwidth, >= 1.3x the compiled reference. ``device_us`` (ours) is the call's device time with the
+host excluded (``_bench.device_us``), next to ``ours_us``.
 
     python benchmarks/bench_quantize_1x128.py
 """
@@ -18,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench import n_rotations, versus_baseline, write_results  # noqa: E402
+from _bench import DEVICE_NOTE, n_rotations, versus_baseline, write_results  # noqa: E402
 
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128, quantize_1x128_reference  # noqa: E402
 from fp8flow_ao.shapes import BENCH_ROUTED_ROWS, DEEPSEEK_V3  # noqa: E402
@@ -43,7 +44,7 @@ def main() -> None:
             ]
             case = f"M={m} K={d} block_k={block_k}"
             rows.append(versus_baseline(case, quantize_1x128, compiled, BASELINE, sets, bytes_moved))
-    notes = "bytes = read x bf16 + write fp8 data + fp32 scale_inv; block_k=None: one scale per row."
+    notes = "bytes = read x bf16 + write fp8 data + fp32 scale_inv; block_k=None: one scale per row. " + DEVICE_NOTE
     write_results("quantize_1x128", rows, notes)
 
 

@@ -9,7 +9,8 @@ algorithmic minimum: read the rows before the last group end (2 B/elem) + write 
 
 ``--sweep`` times every launch configuration (``quantize_dual_1x128_configs()``) through the
 launcher instead of the baseline, each checked bit for bit against the compiled reference, to choose
-DEFAULT_CONFIG (results in ``quantize_dual_1x128_sweep``).
+DEFAULT_CONFIG (results in ``quantize_dual_1x128_sweep``). Otherwise ``device_us`` (ours) is the
+call's device time with the host excluded (``_bench.device_us``), next to ``ours_us``.
 
     python benchmarks/bench_quantize_dual_1x128.py [--sweep]
 """
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench import bench_us, bits_equal, n_rotations, row, skewed_counts, versus_baseline, write_results  # noqa: E402
+from _bench import DEVICE_NOTE, bench_us, bits_equal, n_rotations, row, skewed_counts, versus_baseline, write_results  # noqa: E402
 
 from fp8flow_ao._format import BLOCK  # noqa: E402
 from fp8flow_ao.kernels.quantize_dual_1x128 import (  # noqa: E402
@@ -88,7 +89,8 @@ def main() -> None:
             rows.append(versus_baseline(case, quantize_dual_1x128, compiled, BASELINE, sets, bytes_moved))
         del sets
         torch.cuda.empty_cache()
-    notes = "bytes = read g bf16 (rows before the last group end) + write fp8 row/col data + fp32 scales."
+    notes = "bytes = read g bf16 (rows before the last group end) + write fp8 row/col data + fp32 scales. "
+    notes += "" if args.sweep else DEVICE_NOTE
     write_results("quantize_dual_1x128_sweep" if args.sweep else "quantize_dual_1x128", rows, notes)
 
 

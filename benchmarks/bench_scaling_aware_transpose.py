@@ -5,7 +5,9 @@ Bytes at the algorithmic minimum: read the data and scales of the rows before th
 (``rows * K`` + ``rows * K / 128 * 4``), write every output once (``M * K`` + ``M / 128 * K * 4``,
 ``M`` = the padded buffer's rows). ``--sweep`` times every launch configuration of
 ``transpose_configs()`` instead of the baselines (balanced cases and the skewed M=16384 ones), to
-choose ``default_transpose_config``:
+choose ``default_transpose_config``. ``device_us`` (ours, not in ``--sweep``) is the call's device time
+with the host excluded (``_bench.device_us``); at K = 2048 (~15 us of device work) ``ours_us`` follows
+the host CPU wherever the host is the slower.
 
     python benchmarks/bench_scaling_aware_transpose.py [--sweep]
 """
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _bench import (  # noqa: E402
+    DEVICE_NOTE,
     balanced_counts,
     bench_us,
     n_rotations,
@@ -76,7 +79,7 @@ def sweep_rows(case: str, sets: list[tuple], nbytes: int, extra: dict) -> list[d
     for config in transpose_configs():
         got = launch_scaling_aware_transpose(*sets[0], config=config)
         exact = all(torch.equal(g.view(torch.uint8), e.view(torch.uint8)) for g, e in zip(got, expected, strict=True))
-        us = bench_us(lambda d, s, o, c=config: launch_scaling_aware_transpose(d, s, o, c), sets)
+        us = bench_us(lambda d, s, o, c=config: launch_scaling_aware_transpose(d, s, o, config=c), sets)
         rows.append(row(case, us, "none", None, bytes_moved=nbytes, bit_exact=exact, **extra, config=str(config)))
     return rows
 
@@ -118,13 +121,16 @@ def main() -> None:
                 vs_ref.update(extra)
                 naive_us = bench_us(compiled_naive, sets)
                 naive_name = "torch.compile dequantize->transpose->requantize"
-                rows += [vs_ref, row(case, vs_ref["ours_us"], naive_name, naive_us, bytes_moved=nbytes, **extra)]
+                ours_us, ours_device_us = vs_ref["ours_us"], vs_ref["device_us"]
+                naive = row(case, ours_us, naive_name, naive_us, bytes_moved=nbytes, device_us=ours_device_us, **extra)
+                rows += [vs_ref, naive]
                 del sets, first
                 torch.cuda.empty_cache()
     write_results(
         "scaling_aware_transpose_sweep" if sweep else "scaling_aware_transpose",
         rows,
-        notes="Bytes: read data + scales of the rows before the last group end, write data_t + scale_inv_t once.",
+        notes="Bytes: read data + scales of the rows before the last group end, write data_t + scale_inv_t once. "
+        + ("" if sweep else DEVICE_NOTE),
     )
 
 

@@ -15,8 +15,10 @@ Baselines (speed-up = baseline time / ours):
   ``quantize_1x128``; backward: the BF16 SwiGLU backward math, ``quantize_1x128`` of ``dh`` and
   ``quantize_1x128`` of ``dh.t().contiguous()``.
 
-Ours is timed through its launcher (the op's CUDA kernel, with its output allocation).
-``--sweep`` times the launch configurations instead, to choose FORWARD_CONFIG / BACKWARD_CONFIG.
+Ours is timed through its launcher (the op's CUDA kernel, with its output allocation); ``device_us``
+is its device time with the host excluded (``_bench.device_us``), next to ``ours_us``.
+``--sweep`` times the launch configurations instead (``ours_us`` and ``device_us`` each), to choose
+FORWARD_CONFIG / BACKWARD_CONFIG.
 
     python benchmarks/bench_swiglu_quant.py [--sweep]
 """
@@ -24,6 +26,7 @@ Ours is timed through its launcher (the op's CUDA kernel, with its output alloca
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -34,12 +37,22 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench import balanced_counts, bench_us, n_rotations, row, skewed_counts, write_results  # noqa: E402
+from _bench import (  # noqa: E402
+    DEVICE_NOTE,
+    balanced_counts,
+    bench_us,
+    device_us,
+    n_rotations,
+    row,
+    skewed_counts,
+    write_results,
+)
 
 from fp8flow_ao._format import BLOCK  # noqa: E402
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128  # noqa: E402
 from fp8flow_ao.kernels.swiglu_quant import (  # noqa: E402
     LaunchConfig,
+    backward_configs,
     launch_swiglu_quant,
     launch_swiglu_quant_backward,
     swiglu_quant_backward_reference,
@@ -51,7 +64,7 @@ ROWS = (32768, 65536)
 MODELS = (DEEPSEEK_V3, QWEN3_30B_A3B)
 ROUTINGS = {"balanced": balanced_counts, "skewed": skewed_counts}
 SWEEP_FORWARD = [LaunchConfig(16, 4), LaunchConfig(32, 4), LaunchConfig(64, 4), LaunchConfig(64, 8)]
-SWEEP_BACKWARD = [LaunchConfig(BLOCK, w, s) for w, s in [(16, 1), (16, 2), (16, 3), (8, 1), (8, 2)]]
+SWEEP_BACKWARD = backward_configs()
 
 
 def group_ends(counts: list[int], rows: int) -> torch.Tensor:
@@ -116,30 +129,41 @@ def run_cases(sweep: bool) -> list[dict]:
         fwd_sets = [(h, p, e) for _, h, p, e in sets]
         fwd_bytes = bytes_moved(rows, model.hidden, valid, backward=False)
         bwd_bytes = bytes_moved(rows, model.hidden, valid, backward=True)
-        if sweep:
-            for cfg in SWEEP_FORWARD:
-                us = bench_us(lambda h, p, e, c=cfg: launch_swiglu_quant(h, p, e, c), fwd_sets)
-                results.append(row(case, us, "none", None, bytes_moved=fwd_bytes, direction="forward", config=str(cfg)))
-            for cfg in SWEEP_BACKWARD:
-                us = bench_us(lambda ga, h, p, e, c=cfg: launch_swiglu_quant_backward(ga, h, p, e, c), sets)
-                results.append(
-                    row(case, us, "none", None, bytes_moved=bwd_bytes, direction="backward", config=str(cfg))
-                )
-            continue
-        ours = bench_us(launch_swiglu_quant, fwd_sets)
-        for name, fn, args in [
-            ("torch.compile reference", compiled_fwd, fwd_sets),
-            ("eager BF16 SwiGLU + quantize_1x128", eager_forward, [(h, p) for h, p, _ in fwd_sets]),
-        ]:
-            base = bench_us(fn, args)
-            results.append(row(case, ours, name, base, bytes_moved=fwd_bytes, direction="forward", **extra))
-        ours = bench_us(launch_swiglu_quant_backward, sets)
-        for name, fn, args in [
-            ("torch.compile reference", compiled_bwd, sets),
-            ("eager BF16 SwiGLU backward + 2x quantize_1x128", eager_backward, [s[:3] for s in sets]),
-        ]:
-            base = bench_us(fn, args)
-            results.append(row(case, ours, name, base, bytes_moved=bwd_bytes, direction="backward", **extra))
+        directions = [
+            (
+                "forward",
+                launch_swiglu_quant,
+                fwd_sets,
+                fwd_bytes,
+                SWEEP_FORWARD,
+                [
+                    ("torch.compile reference", compiled_fwd, fwd_sets),
+                    ("eager BF16 SwiGLU + quantize_1x128", eager_forward, [(h, p) for h, p, _ in fwd_sets]),
+                ],
+            ),
+            (
+                "backward",
+                launch_swiglu_quant_backward,
+                sets,
+                bwd_bytes,
+                SWEEP_BACKWARD,
+                [
+                    ("torch.compile reference", compiled_bwd, sets),
+                    ("eager BF16 SwiGLU backward + 2x quantize_1x128", eager_backward, [s[:3] for s in sets]),
+                ],
+            ),
+        ]
+        for direction, launch, args, nbytes, configs, baselines in directions:
+            common = {"bytes_moved": nbytes, "direction": direction}
+            if sweep:
+                for cfg in configs:
+                    fn = functools.partial(launch, config=cfg)  # positionally it would land in score_before_experts
+                    us, dev = bench_us(fn, args), device_us(fn, args)
+                    results.append(row(case, us, "none", None, **common, device_us=dev, config=str(cfg)))
+                continue
+            ours, dev = bench_us(launch, args), device_us(launch, args)
+            for name, fn, base_args in baselines:
+                results.append(row(case, ours, name, bench_us(fn, base_args), **common, device_us=dev, **extra))
         del sets, fwd_sets
         torch.cuda.empty_cache()
     return results
@@ -155,7 +179,7 @@ def main() -> None:
     rows = run_cases(args.sweep)
     notes = (
         "Ours = the Triton kernels through their launchers. GB/s at the algorithmic minimum (see the "
-        "script's docstring); speed-up = baseline / ours."
+        "script's docstring); speed-up = baseline / ours. " + DEVICE_NOTE
     )
     write_results("swiglu_quant_sweep" if args.sweep else "swiglu_quant", rows, notes)
 

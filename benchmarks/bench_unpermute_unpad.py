@@ -14,6 +14,9 @@ Bytes at the algorithmic minimum (each input read once, each output written once
 * forward: read the ``T*k`` real rows of y ``T*k*D*2`` + dst_rows + probs ``T*k*(4+4)``; write ``T*D*2``;
 * backward: read grad_out ``T*D*2`` + real rows of y ``T*k*D*2`` + probs, dst_rows ``T*k*8`` + src_rows
   ``M_pad*4``; write grad_y ``M_pad*D*2`` (pad rows zeroed) + grad_probs ``T*k*4``.
+
+``device_us`` (ours, forward and backward) is the call's device time with the host excluded
+(``_bench.device_us``), next to ``ours_us``, which follows the host CPU wherever the host is the slower.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _bench import bench_us, n_rotations, routed_expert_ids, row, write_results
+from _bench import DEVICE_NOTE, bench_us, device_us, n_rotations, routed_expert_ids, row, write_results
 
 from fp8flow_ao.kernels.permute_pad import route_pad
 from fp8flow_ao.kernels.unpermute_unpad import (
@@ -86,10 +89,10 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
         unpermute_unpad(*fwd_args[0]), unfused_unpermute_unpad(*eager_args[0]), rtol=2**-7, atol=1e-3
     )
 
-    fwd = bench_us(unpermute_unpad, fwd_args)
+    fwd, fwd_dev = bench_us(unpermute_unpad, fwd_args), device_us(unpermute_unpad, fwd_args)
     fwd_ref = bench_us(compiled["fwd"], fwd_args)
     fwd_eager = bench_us(unfused_unpermute_unpad, eager_args)
-    bwd = bench_us(unpermute_unpad_backward, bwd_args)
+    bwd, bwd_dev = bench_us(unpermute_unpad_backward, bwd_args), device_us(unpermute_unpad_backward, bwd_args)
     bwd_ref = bench_us(compiled["bwd"], bwd_args)
     bwd_eager = bench_us(_eager_backward, _eager_backward_sets(sets))
 
@@ -103,6 +106,7 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
             "torch.compile(fullgraph) unpermute_unpad_reference",
             fwd_ref,
             bytes_moved=fwd_bytes,
+            device_us=fwd_dev,
             what="forward",
         ),
         row(
@@ -111,6 +115,7 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
             "unfused eager (unpad gather, index scatter, weighted sum)",
             fwd_eager,
             bytes_moved=fwd_bytes,
+            device_us=fwd_dev,
             what="forward",
         ),
         row(
@@ -119,9 +124,18 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
             "torch.compile(fullgraph) unpermute_unpad_backward_reference",
             bwd_ref,
             bytes_moved=bwd_bytes,
+            device_us=bwd_dev,
             what="backward",
         ),
-        row(case, bwd, "eager autograd of the unfused sequence", bwd_eager, bytes_moved=bwd_bytes, what="backward"),
+        row(
+            case,
+            bwd,
+            "eager autograd of the unfused sequence",
+            bwd_eager,
+            bytes_moved=bwd_bytes,
+            device_us=bwd_dev,
+            what="backward",
+        ),
     ]
 
 
@@ -143,7 +157,7 @@ def main() -> None:
     notes = (
         "Forward with fp32 router probs (the weighted combine); backward = grad_y in padded order (pad rows "
         "zeroed) + grad_probs, one fused kernel. Routing metadata (route_pad) is computed outside the timing "
-        "for all contenders. Bytes at the algorithmic minimum (real rows of y read once)."
+        "for all contenders. Bytes at the algorithmic minimum (real rows of y read once). " + DEVICE_NOTE
     )
     write_results("unpermute_unpad", rows, notes)
 
