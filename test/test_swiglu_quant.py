@@ -3,7 +3,7 @@ reference, numerics against fp64 autograd, group offsets, edge values, op checks
 
 Why data is compared at >= 99.9% bit-exact and not 100%: both ops take an ``exp`` (and, on the GPU,
 an approximate division) whose last-ulp rounding differs between torch's CPU kernels, numpy (the
-interpreter) and the GPU's ``ex2.approx`` / ``div.full``. An ulp moves an E4M3 rounding only when
+interpreter) and the GPU's ``ex2.approx.ftz`` / ``div.approx.ftz``. An ulp moves an E4M3 rounding only when
 the fp32 value sits on a rounding boundary, so a few elements per million land one E4M3 step away.
 Scales are bit-exact (a scale changes only if a block maximum sits within an ulp of 448 * 2**k).
 """
@@ -17,6 +17,7 @@ from fp8_helpers import assert_fp8_close, assert_scales_equal
 
 from fp8flow_ao._format import BLOCK, dequantize_rows_reference
 from fp8flow_ao.kernels.swiglu_quant import (
+    backward_configs,
     launch_swiglu_quant,
     launch_swiglu_quant_backward,
     swiglu_backward_reference,
@@ -80,8 +81,8 @@ def _assert_forward_matches(h, probs, ends, before: bool = False) -> tuple[torch
     return data, scale
 
 
-def _assert_backward_matches(grad_a, h, probs, ends, before: bool = False) -> tuple[torch.Tensor, ...]:
-    out = launch_swiglu_quant_backward(grad_a, h, probs, ends, before)
+def _assert_backward_matches(grad_a, h, probs, ends, before: bool = False, **config) -> tuple[torch.Tensor, ...]:
+    out = launch_swiglu_quant_backward(grad_a, h, probs, ends, before, **config)
     ref = swiglu_quant_backward_reference(grad_a.cpu(), h.cpu(), _cpu(probs), _cpu(ends), before)
     for name, got, want in zip(("dh", "dh_scale", "dh_t", "dh_t_scale"), out[:4], ref[:4], strict=True):
         if name.endswith("scale"):
@@ -136,6 +137,14 @@ def test_backward_matches_reference(group, mode):
     assert grad_probs.shape == ((m,) if with_probs else (0,))
     if with_probs:
         assert not bool(grad_probs[past].any())
+
+
+@pytest.mark.parametrize("config", backward_configs(), ids=str)
+def test_every_backward_config_matches_reference(config):
+    """Every swept launch configuration: H = 384 is three column tiles, so a program's share of H can
+    end in a partial one (col_tiles=2) or exceed H (col_tiles=4), and grad_probs is summed over splits."""
+    h, grad_a, probs = _inputs(384, 384)
+    _assert_backward_matches(grad_a, h, probs, _ends([130, 0, 100]), config=config)
 
 
 @pytest.mark.gpu

@@ -48,8 +48,8 @@ power of two, fp32):
 Numerics: the kernels and the references evaluate the same formulas in the same order, in fp32,
 with no fused multiply-add (``enable_fp_fusion=False``). ``exp`` and the division are the only
 steps whose rounding can differ: torch's CPU ``exp``, numpy's (the interpreter) and the GPU's
-``ex2.approx`` differ by an ulp or two, and the GPU divides with ``div.full`` (within 2 ulp), which moves an E4M3 rounding at a
-few elements per million and, far more rarely, a scale whose block maximum sits next to a power of
+``ex2.approx.ftz`` differ by an ulp or two, and the GPU divides with ``div.approx.ftz`` (within 2 ulp),
+which moves an E4M3 rounding at a few elements per million and, far more rarely, a scale whose block maximum sits next to a power of
 two.
 """
 
@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fp8flow_ao._checks import (
     check_contiguous,
@@ -79,34 +80,71 @@ from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Launch settings of one kernel: rows per program, warps, and software-pipeline stages of its loop."""
+    """Launch settings of one kernel (they never change ``dh``; ``grad_probs`` is summed in another order).
+
+    block_m: rows per program (the backward's is 128: one column-wise scale block).
+    num_warps: warps per program.
+    num_stages: software-pipeline stages of the backward's loop over 128-column tiles.
+    col_tiles: backward only: 128-column tiles of ``H`` one program walks (0: all of ``H``). Fewer
+        tiles give more programs (and, with fewer registers, more of them per SM); each program then
+        writes a partial ``grad_probs`` that the launcher sums.
+    maxnreg: register cap per thread (``None``: the compiler's choice).
+    """
 
     block_m: int
     num_warps: int
     num_stages: int = 1
+    col_tiles: int = 0
+    maxnreg: int | None = None
 
 
-# Register, spill and instruction figures below are from ptxas for sm_90 (triton 3.9); timings on a
-# GPU are still to be swept (benchmarks/bench_swiglu_quant.py --sweep).
 # Forward: 32 rows x 128 columns of gate and of up per program (16 KiB of BF16), 48 registers with
-# 4 warps: many programs share an SM, so one program's loads overlap another's math.
+# 4 warps: many programs share an SM, so one program's loads overlap another's math (H200 sweep,
+# 2026-11-24: 87-95% of copy bandwidth, device-only; block_m 16 to 64 within 4%).
 FORWARD_CONFIG = LaunchConfig(block_m=32, num_warps=4)
-# Backward: a program owns one 128-row block (the column-wise scale block) and walks H in 128-column
-# tiles, so it owns every scale block it writes and sums grad_probs without atomics. The kernel is
-# close to issue-bound (~70 instructions per (gate, up) element pair at 8 warps, ~84 at 16, against
-# ~10 bytes moved), so 8 warps: 255 registers and a 32-byte spill, the fewest instructions. 2
-# stages prefetch the next three BF16 input tiles (96 KiB of shared memory) during this tile's math.
-BACKWARD_CONFIG = LaunchConfig(block_m=BLOCK, num_warps=8, num_stages=2)
+
+
+def backward_configs() -> list[LaunchConfig]:
+    """Launch candidates of the backward timed by ``benchmarks/bench_swiglu_quant.py --sweep``; the first
+    is :data:`BACKWARD_CONFIG`.
+
+    A program owns one 128-row block (the column-wise scale block), so it owns every scale block it
+    writes, and walks ``col_tiles`` 128-column tiles of H. Device time on one H200 (triton 3.6,
+    2026-11-24, M = 32768, H = 2048 / 768, ``swiglu_quant_sweep.md``; registers from ptxas): one tile a
+    program at 8 warps (245 registers, no spill) 356 / 145 us, 45% / 42% of copy bandwidth; all of H
+    at 16 warps (127 registers) 374 / 152 us; the previous default, all of H at 8 warps with 2
+    pipeline stages (255 registers, 114 KiB of shared memory), 395 / 158 us, and 661 / 253 us once the
+    sigmoid is ``_sigmoid``'s approximate form (the pipelined loop then loses its overlap). Far from
+    copy bandwidth: ~60 instructions per (gate, up) pair against 10 bytes, and one 8-warp program per
+    SM (``benchmarks/results/swiglu_quant.md`` notes).
+    """
+    return [
+        LaunchConfig(block_m=BLOCK, num_warps=8, num_stages=1, col_tiles=1),
+        LaunchConfig(block_m=BLOCK, num_warps=8, num_stages=1, col_tiles=1, maxnreg=128),
+        LaunchConfig(block_m=BLOCK, num_warps=8, num_stages=1, col_tiles=2),
+        LaunchConfig(block_m=BLOCK, num_warps=8, num_stages=2),
+        LaunchConfig(block_m=BLOCK, num_warps=16, num_stages=1, col_tiles=1),
+        LaunchConfig(block_m=BLOCK, num_warps=16, num_stages=1),
+    ]
+
+
+BACKWARD_CONFIG = backward_configs()[0]
 
 
 @triton.jit
-def _sigmoid(g):
+def _sigmoid(g, APPROX: tl.constexpr):
     """1 / (1 + exp(-g)), as the reference writes it.
 
-    The GPU divides with ``div.full.f32`` (within 2 ulp), not ``tl.div_rn``: the IEEE division's
-    slow-path subroutine call at every element made ptxas spill the whole tile (sm_90, 8 warps: 32
-    registers and a 7 KiB stack per thread).
+    With ``APPROX`` (the GPU): ``ex2.approx.ftz`` and ``div.approx.ftz`` (``__expf``, ``__fdividef``):
+    4 instructions an element instead of 12 (``ex2.approx`` without ftz and ``div.full`` each add a
+    compare and two predicated multiplies for subnormal or huge operands). Exact on the range that
+    matters: both flush only what is below 2**-126 or above 2**126 to 0 or 1, where the plain form's
+    result differs from them by less than an fp32 subnormal. Without it (the CPU interpreter, which has
+    no libdevice), ``tl.exp`` and ``/``; never ``tl.div_rn``, whose slow-path subroutine call at every
+    element made ptxas spill the whole tile.
     """
+    if APPROX:
+        return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(-g))
     return 1.0 / (1.0 + tl.exp(-g))
 
 
@@ -133,6 +171,7 @@ def _swiglu_quant_kernel(
     HAS_PROBS: tl.constexpr,
     SCORE_BEFORE_EXPERTS: tl.constexpr,
     HAS_OFFSETS: tl.constexpr,
+    APPROX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -150,7 +189,7 @@ def _swiglu_quant_kernel(
     if SCORE_BEFORE_EXPERTS:  # the expert saw p * x: FC1 is linear, so SwiGLU's inputs are p * h
         g = g * p
         u = u * p
-    a = g * _sigmoid(g) * u
+    a = g * _sigmoid(g, APPROX) * u
     if HAS_PROBS and not SCORE_BEFORE_EXPERTS:
         a = a * p
     scale_inv, scale = pow2_scale_inv_and_scale(nan_ignoring_amax(a, axis=1))
@@ -209,13 +248,17 @@ def _swiglu_quant_backward_kernel(
     HAS_PROBS: tl.constexpr,
     SCORE_BEFORE_EXPERTS: tl.constexpr,
     HAS_OFFSETS: tl.constexpr,
+    APPROX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    COL_TILES: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """One program: one 128-row block, walking H in 128-column tiles; writes the d_gate and d_up
-    tiles of both ``dh`` layouts and the block's ``grad_probs``."""
+    """One program: one 128-row block x ``COL_TILES`` 128-column tiles of H (program axis 1 picks
+    which); writes the d_gate and d_up tiles of both ``dh`` layouts and the block's partial
+    ``grad_probs`` over those columns (row ``program_id(1)`` of ``grad_probs_ptr [S, M]``)."""
     pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     end = _rows_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
     row_ok = rows < end
@@ -225,7 +268,9 @@ def _swiglu_quant_backward_kernel(
     if HAS_PROBS:
         p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0)[:, None]
     grad_probs = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for col0 in tl.range(0, H, BLOCK_H, num_stages=NUM_STAGES):
+    col_begin = pid_s * (COL_TILES * BLOCK_H)
+    col_end = tl.minimum(col_begin + COL_TILES * BLOCK_H, H)
+    for col0 in tl.range(col_begin, col_end, BLOCK_H, num_stages=NUM_STAGES):
         cols = col0 + tl.arange(0, BLOCK_H)
         ga = tl.load(grad_a_ptr + rows64[:, None] * stride_gm + cols[None, :], mask=row_ok[:, None], other=0.0)
         gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
@@ -238,7 +283,7 @@ def _swiglu_quant_backward_kernel(
             # so that gate and up die early: sm_90, 8 warps, triton 3.6 spills 8 bytes as in the other
             # mode (the plain sum: 152); triton 3.9 spills 472 either way round (the other mode: 32).
             gp = g * p
-            s = _sigmoid(gp)
+            s = _sigmoid(gp, APPROX)
             d_up = ga * (gp * s)
             gu = ga * u
             dsilu = s * (1.0 + gp * (1.0 - s))
@@ -246,7 +291,7 @@ def _swiglu_quant_backward_kernel(
             d_up = d_up * p
             d_gate = ((gu * p) * dsilu) * p
         else:
-            s = _sigmoid(g)
+            s = _sigmoid(g, APPROX)
             d_up = ga * (g * s)
             d_gate = ga * u
             if HAS_PROBS:
@@ -262,17 +307,19 @@ def _swiglu_quant_backward_kernel(
             d_up, H + col0, rows, row_ok, block_ok, M, 2 * H, dh_ptr, dh_scale_ptr, dh_t_ptr, scale_t_row_ptr, BLOCK_H
         )
     if HAS_PROBS:
-        tl.store(grad_probs_ptr + rows, grad_probs)
+        tl.store(grad_probs_ptr + pid_s.to(tl.int64) * M + rows, grad_probs)
 
 
 def _kernel_flags(
-    probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None, score_before_experts: bool
+    h: torch.Tensor, probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None, score_before_experts: bool
 ) -> dict:
-    """Constexpr flags of both kernels. Absent optional inputs pass ``h``'s pointer, never read."""
+    """Constexpr flags of both kernels. Absent optional inputs pass ``h``'s pointer, never read. The
+    interpreter (CPU tensors) has no libdevice: the plain sigmoid there (see ``_sigmoid``)."""
     return {
         "HAS_PROBS": probs is not None,
         "SCORE_BEFORE_EXPERTS": bool(score_before_experts),
         "HAS_OFFSETS": group_end_offsets is not None,
+        "APPROX": h.is_cuda,
     }
 
 
@@ -304,7 +351,7 @@ def launch_swiglu_quant(
         hidden,
         h.stride(0),
         0 if group_end_offsets is None else group_end_offsets.numel(),
-        **_kernel_flags(probs, group_end_offsets, score_before_experts),
+        **_kernel_flags(h, probs, group_end_offsets, score_before_experts),
         BLOCK_M=config.block_m,
         BLOCK_H=BLOCK,
         num_warps=config.num_warps,
@@ -326,17 +373,21 @@ def launch_swiglu_quant_backward(
     if config.block_m != BLOCK:
         raise ValueError(f"the backward needs block_m == {BLOCK} (one column-wise scale block), got {config}")
     m, two_h = h.shape
+    h_tiles = two_h // 2 // BLOCK
+    col_tiles = min(config.col_tiles or h_tiles, h_tiles)
+    splits = cdiv(h_tiles, col_tiles)
     dev = h.device
     dh = torch.empty((m, two_h), dtype=FP8_DTYPE, device=dev)
     dh_scale = torch.empty((m, two_h // BLOCK), dtype=torch.float32, device=dev)
     dh_t = torch.empty((two_h, m), dtype=FP8_DTYPE, device=dev)
     dh_t_scale = torch.empty((m // BLOCK, two_h), dtype=torch.float32, device=dev)
-    grad_probs = torch.empty((m if probs is not None else 0,), dtype=torch.float32, device=dev)
+    # One row of partial sums per column split; with one split it is grad_probs itself (no sum launched).
+    partials = torch.empty((splits, m) if probs is not None else (1, 0), dtype=torch.float32, device=dev)
     if m == 0:
-        return dh, dh_scale, dh_t, dh_t_scale, grad_probs
+        return dh, dh_scale, dh_t, dh_t_scale, partials[0]
     launch_kernel(
         _swiglu_quant_backward_kernel,
-        (m // BLOCK,),
+        (m // BLOCK, splits),
         grad_a,
         h,
         h if probs is None else probs,
@@ -345,19 +396,22 @@ def launch_swiglu_quant_backward(
         dh_scale,
         dh_t,
         dh_t_scale,
-        h if probs is None else grad_probs,
+        h if probs is None else partials,
         m,
         two_h // 2,
         grad_a.stride(0),
         h.stride(0),
         0 if group_end_offsets is None else group_end_offsets.numel(),
-        **_kernel_flags(probs, group_end_offsets, score_before_experts),
+        **_kernel_flags(h, probs, group_end_offsets, score_before_experts),
         BLOCK_M=BLOCK,
         BLOCK_H=BLOCK,
+        COL_TILES=col_tiles,
         NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
+        maxnreg=config.maxnreg,
         enable_fp_fusion=False,  # no fma contraction: the same roundings as the reference
     )
+    grad_probs = partials[0] if partials.shape[0] == 1 else partials.sum(0)
     return dh, dh_scale, dh_t, dh_t_scale, grad_probs
 
 
