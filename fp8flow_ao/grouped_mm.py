@@ -369,7 +369,7 @@ def _blockwise_backward(
     if not needs_w:
         return grad_a, None
     # dW_e [N, K] = dOut_e^T A_e: A re-encoded column-wise [K, M] by exponent shift, no re-quantization.
-    a_t_data, a_t_scale = _OPS.scaling_aware_transpose(a_data, a_scale, offs)
+    a_t_data, a_t_scale = _OPS.scaling_aware_transpose(a_data, a_scale, offs, None, 1)
     # Written in the weight's dtype by the epilogue, or added there into the gradient it already holds.
     target = _fused_grad_target(fuse_into, ctx.b_dtype)
     args = (g_t_data, g_t_scale, a_t_data, a_t_scale, offs)

@@ -9,7 +9,8 @@ backward; every other FP8 tensor comes out of a fused kernel)::
     backward  dy -Q2-> dy8 -> permute_pad_rows -> FC2 dgrad (exact FP8 w2^T) + FC2 wgrad
               (scaling-aware transposes of dy8 and a8) -> swiglu_quant_backward (row- and column-wise
               dh, grad of the permuted probs) -> FC1 dgrad (exact FP8 W13^T) + FC1 wgrad
-              (scaling-aware transpose of x8) -> unpermute_unpad (sum over top-k) -> dx
+              (scaling-aware transpose of x8 that gathers its rows itself: the permuted x8 is not
+              written again) -> unpermute_unpad (sum over top-k) -> dx
 
 The router probability multiplies inside SwiGLU, so the combine is an unweighted sum: on SwiGLU's
 output for torchtitan's ``score_before_experts=False``, on its inputs (FC1's output rows: FC1 is
@@ -175,14 +176,12 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         kept, fc1_saved = split_kept(saved)
         top_k, rows_k, plan = ctx.top_k, ctx.rows_k, ctx.plan
         x_dtype, probs_dtype, _, _, w3_dtype = ctx.dtypes
-        # The token rows again, in the forward's padded expert-major order (a gather, no cast), as an op
-        # torch.compile cannot merge with forward's gather (which would save the permuted rows, k x8's bytes).
-        xp, xp_scale = permute_pad_rows(rows, rows_scale, src_rows, rows_k, recompute=True)
         if ctx.backward == "bf16":  # the ablation: no FP8 in backward
             h = fc1_saved[0]
+            xp, xp_scale = _gather_again(rows, rows_scale, src_rows, rows_k)
             grads = _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx)
         else:
-            grads = _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3, kept, fc1_saved)
+            grads = _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, offs, w1, w2, w3, kept, fc1_saved)
         grad_xp, grad_probs_p, grad_w2, grad_w13 = grads
 
         # Back to tokens: dx[t] = sum over the token's k rows; grad probs[t, j] = its row's value. Under
@@ -209,9 +208,16 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         )
 
 
-def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3, kept, fc1_saved):
-    """FP8-Flow's backward from the permuted FP8 rows ``xp`` to (grad xp ``[M, D]`` BF16, grad probs_p ``[M]``,
-    grad w2 ``[E, D, H]``, grad W13 ``[2, E, H, D]``); the weight gradients in the weights' dtypes."""
+def _gather_again(rows, rows_scale, src_rows, rows_k):
+    """The token rows again, in the forward's padded expert-major order (a gather, no cast), as an op
+    torch.compile cannot merge with forward's gather (which would save the permuted rows, k x8's bytes)."""
+    return permute_pad_rows(rows, rows_scale, src_rows, rows_k, recompute=True)
+
+
+def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, offs, w1, w2, w3, kept, fc1_saved):
+    """FP8-Flow's backward from the FP8 token rows ``rows`` (permuted again by ``src_rows`` where needed) to
+    (grad xp ``[M, D]`` BF16, grad probs_p ``[M]``, grad w2 ``[E, D, H]``, grad W13 ``[2, E, H, D]``); the
+    weight gradients in the weights' dtypes."""
     rows_k, plan = ctx.rows_k, ctx.plan
     w1_dtype, w2_dtype = ctx.dtypes[2:4]
     fp8_wgrads = ctx.backward != "bf16_wgrad"  # that ablation computes the weight gradients in BF16 instead
@@ -226,7 +232,9 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
         else None
     )
     if ctx.recompute:
+        xp, xp_scale = _gather_again(rows, rows_scale, src_rows, rows_k)
         h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw13.fc1(), probs_p, offs, ctx.score_before)
+        del xp, xp_scale
     else:
         h, a_data, a_scale = fc1_saved
 
@@ -258,13 +266,15 @@ def _grads_fp8(ctx, grad_out, xp, xp_scale, probs_p, src_rows, offs, w1, w2, w3,
             qw13 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w13", in_gemm=in_gemm)
         grad_xp = _expert_gemm(dh, dh_scale, qw13.fc1_dgrad(), offs)
     del qw13  # (recompute's W13 too, in the BF16 mode) no FP8 weight copy alive while the wgrads are written
-    # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8. Stored as
+    # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8, gathered by the
+    # transpose itself (the permuted rows are never written in backward). Stored as
     # [2, E, H, D], so w1's and w3's gradients are contiguous: halves of [E, 2H, D] would be strided
     # views, which autograd copies into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
     if fp8_wgrads:
-        xp_t, xp_t_scale = scaling_aware_transpose(xp, xp_scale, offs)
+        xp_t, xp_t_scale = scaling_aware_transpose(rows, rows_scale, offs, src_rows, rows_k)
         grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2)
     else:
+        xp, xp_scale = _gather_again(rows, rows_scale, src_rows, rows_k)
         _, _, grad_w2, grad_w13 = _grads_bf16(
             grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx, grad_a
         )

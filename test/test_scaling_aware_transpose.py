@@ -10,6 +10,7 @@ from conftest import DEVICE
 from fp8_helpers import assert_fp8_equal, assert_scales_equal, fp8_bits, opcheck_fp8_inputs
 
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_rows_reference, quantize_rows_reference
+from fp8flow_ao.kernels.permute_pad import permute_pad_rows, route_pad
 from fp8flow_ao.kernels.scaling_aware_transpose import (
     TransposeConfig,
     default_transpose_config,
@@ -51,7 +52,7 @@ def grouped_input(counts: list[int], m: int, k: int) -> tuple[torch.Tensor, torc
 
 
 def assert_matches_reference(data, scale_inv, offsets=None, config=None):
-    data_t, scale_t = launch_scaling_aware_transpose(data, scale_inv, offsets, config)
+    data_t, scale_t = launch_scaling_aware_transpose(data, scale_inv, offsets, config=config)
     ref_t, ref_scale_t = scaling_aware_transpose_reference(
         data.cpu(), scale_inv.cpu(), None if offsets is None else offsets.cpu()
     )
@@ -248,7 +249,40 @@ def test_compile_does_not_recompile_per_token_count():
 def test_opcheck(with_offsets):
     data, scale_inv = rowwise_input(256, 256)
     offsets = torch.tensor([128, 128], dtype=torch.int32, device=DEVICE) if with_offsets else None
-    opcheck_fp8_inputs(torch.ops.fp8flow.scaling_aware_transpose.default, (data, scale_inv, offsets))
+    opcheck_fp8_inputs(torch.ops.fp8flow.scaling_aware_transpose.default, (data, scale_inv, offsets, None, 1))
+
+
+def _routed_tokens(tokens: int = 200, k: int = 256, top_k: int = 3):
+    """Token rows and a skewed top-k routing over 5 experts (expert 1 empty): the gather's inputs."""
+    data, scale_inv = rowwise_input(tokens, k)
+    ids = torch.tensor([0, 0, 2, 3, 3, 3, 4, 4, 2, 0])[torch.randint(0, 10, (tokens, top_k))]
+    src_rows, _, offsets = route_pad(ids.to(DEVICE), 5)
+    return data, scale_inv, src_rows, offsets, top_k
+
+
+@pytest.mark.parametrize("config", [None, TransposeConfig(1, 8, 128, None)], ids=str)
+def test_gather_equals_permute_then_transpose(config):
+    """With src_rows the op transposes the rows permute_pad_rows would gather (pad rows, an empty expert,
+    rows past the last group end), bit for bit, without writing them."""
+    data, scale_inv, src_rows, offsets, top_k = _routed_tokens()
+    got = launch_scaling_aware_transpose(data, scale_inv, offsets, src_rows, top_k, config=config)
+    rows, rows_scale = permute_pad_rows(data, scale_inv, src_rows, top_k)
+    want = launch_scaling_aware_transpose(rows, rows_scale, offsets, config=config)
+    ref = scaling_aware_transpose_reference(rows.cpu(), rows_scale.cpu(), offsets.cpu())
+    for expected in (want, ref):
+        assert_fp8_equal(got[0], expected[0], "data_t")
+        assert_scales_equal(got[1], expected[1], "scale_inv_t")
+
+
+def test_gather_op_dispatch_compile_and_opcheck():
+    data, scale_inv, src_rows, offsets, top_k = _routed_tokens()
+    eager = scaling_aware_transpose(data, scale_inv, offsets, src_rows, top_k)
+    compiled = torch.compile(scaling_aware_transpose, fullgraph=True)(data, scale_inv, offsets, src_rows, top_k)
+    ref = scaling_aware_transpose(*permute_pad_rows(data, scale_inv, src_rows, top_k), offsets)
+    for got in (eager, compiled):
+        assert_fp8_equal(got[0], ref[0], "data_t")
+        assert_scales_equal(got[1], ref[1], "scale_inv_t")
+    opcheck_fp8_inputs(torch.ops.fp8flow.scaling_aware_transpose.default, (data, scale_inv, offsets, src_rows, top_k))
 
 
 def test_no_rows():
@@ -283,6 +317,9 @@ def _fp8(*shape):
         ((_fp8(128, 128), torch.zeros(128, 1), torch.tensor([[128]], dtype=torch.int32)), ValueError, "1 dims"),
         ((_fp8(128, 128), torch.zeros(128, 1), torch.zeros(0, dtype=torch.int32)), ValueError, "at least one"),
         (([[1.0]], torch.zeros(128, 1)), TypeError, "data must be a torch.Tensor"),
+        ((_fp8(100, 128), torch.zeros(100, 1), None, torch.zeros(128)), TypeError, "src_rows must have dtype"),
+        ((_fp8(100, 128), torch.zeros(100, 1), None, torch.zeros(100, dtype=torch.int32)), ValueError, "src_rows"),
+        ((_fp8(100, 128), torch.zeros(100, 1), None, torch.zeros(128, dtype=torch.int32), 0), ValueError, "top_k"),
     ],
 )
 def test_bad_input(args, error, match):

@@ -42,6 +42,7 @@ from fp8flow_ao._checks import (
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, cast_to_fp8, dequantize_rows_reference, quantize_rows_reference
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
+from fp8flow_ao.kernels.permute_pad import permute_pad_rows_reference
 
 # Any shift >= 19 sends every E4M3 value (|x| <= 448 < 2**9) below half the smallest subnormal
 # (2**-10), so it rounds to +-0. Capping the shift at 24 changes no result and keeps 2**-shift
@@ -126,25 +127,59 @@ def _exponent_shift_multiplier(s, s_max):
 
 
 @triton.jit
-def _load_rows(data_tile, scale_rows, quads, b, kb, K, num_kb, valid_rows):
-    """Rows ``r = 4 * q + b`` (q < 32) of tile ``kb``: fp8 ``[32, 128]`` (128 contiguous bytes a row)
-    and their fp32 scales ``[32]``; 0 (and no read) for ``r >= valid_rows``."""
+def _source_rows(src_rows_ptr, row0, quads, b, valid_rows, top_k, GATHER: tl.constexpr):
+    """Rows ``r = 4 * q + b`` (q < 32) of the row tile at ``row0``: which row holds each, and (with
+    ``GATHER``) which are not pad rows. Without ``GATHER``: ``r`` itself (int32, relative to ``row0``);
+    with it: the token row ``src_rows[row0 + r] // top_k`` (int64) and ``src_rows[row0 + r] >= 0``."""
     r = 4 * quads + b
-    mask = r < valid_rows
+    real = r < valid_rows
+    row = r
+    if GATHER:
+        src = tl.load(src_rows_ptr + row0 + r, mask=real, other=-1)
+        row = (tl.maximum(src, 0) // top_k).to(tl.int64)
+        real = src >= 0
+    return row, real
+
+
+@triton.jit
+def _load_rows(data_rows, scale_rows, row, real, quads, b, limit, kb, K, num_kb, GATHER: tl.constexpr):
+    """Scale block ``kb`` of the tile's rows ``r = 4 * q + b`` (held in rows ``row``, see
+    :func:`_source_rows`): fp8 ``[32, 128]`` (128 contiguous bytes a row) and their fp32 scales ``[32]``;
+    0 (and no read) for ``r >= limit`` and, with ``GATHER``, for pad rows."""
+    mask = 4 * quads + b < limit
+    if GATHER:
+        mask = mask & real
     cols = tl.arange(0, _TL_BLOCK)
-    x = tl.load(data_tile + kb * _TL_BLOCK + r[:, None] * K + cols[None, :], mask=mask[:, None], other=0.0)
-    s = tl.load(scale_rows + kb + r * num_kb, mask=mask, other=0.0)
+    x = tl.load(data_rows + kb * _TL_BLOCK + row[:, None] * K + cols[None, :], mask=mask[:, None], other=0.0)
+    s = tl.load(scale_rows + kb + row * num_kb, mask=mask, other=0.0)
     return x, s
 
 
 @triton.jit
-def _load_tile(data_tile, scale_rows, quads, kb, K, num_kb, valid_rows):
-    """Tile ``kb`` as four 32 x 128 row slices (rows ``4q + b``, b = 0..3) and their scales; rows
-    at or past ``valid_rows`` are not read (0)."""
-    x0, s0 = _load_rows(data_tile, scale_rows, quads, 0, kb, K, num_kb, valid_rows)
-    x1, s1 = _load_rows(data_tile, scale_rows, quads, 1, kb, K, num_kb, valid_rows)
-    x2, s2 = _load_rows(data_tile, scale_rows, quads, 2, kb, K, num_kb, valid_rows)
-    x3, s3 = _load_rows(data_tile, scale_rows, quads, 3, kb, K, num_kb, valid_rows)
+def _load_tile(
+    data_rows,
+    scale_rows,
+    row0,
+    row1,
+    row2,
+    row3,
+    real0,
+    real1,
+    real2,
+    real3,
+    quads,
+    limit,
+    kb,
+    K,
+    num_kb,
+    GATHER: tl.constexpr,
+):
+    """Tile ``kb`` as four 32 x 128 row slices (rows ``4q + b``, b = 0..3) and their scales; rows at or
+    past ``limit`` are not read (0)."""
+    x0, s0 = _load_rows(data_rows, scale_rows, row0, real0, quads, 0, limit, kb, K, num_kb, GATHER)
+    x1, s1 = _load_rows(data_rows, scale_rows, row1, real1, quads, 1, limit, kb, K, num_kb, GATHER)
+    x2, s2 = _load_rows(data_rows, scale_rows, row2, real2, quads, 2, limit, kb, K, num_kb, GATHER)
+    x3, s3 = _load_rows(data_rows, scale_rows, row3, real3, quads, 3, limit, kb, K, num_kb, GATHER)
     return x0, x1, x2, x3, s0, s1, s2, s3
 
 
@@ -170,11 +205,14 @@ def _scaling_aware_transpose_kernel(
     group_end_offsets_ptr,
     data_t_ptr,
     scale_inv_t_ptr,
+    src_rows_ptr,
     M,
     K,
     num_groups,
     group_m,
+    top_k,
     HAS_OFFSETS: tl.constexpr,
+    GATHER: tl.constexpr,
     K_BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
     """One program: the 128 rows of one row tile x ``K_BLOCKS_PER_PROGRAM`` scale blocks; a 1-D grid
@@ -189,7 +227,8 @@ def _scaling_aware_transpose_kernel(
     128 x 128 fp8 tile compiles to one 1-byte shared store per element. The next tile's loads are issued before this tile's scale max,
     whose cross-warp reduction is a barrier that later loads could not cross: a program keeps one
     tile in flight while it re-encodes and stores another (the loop is software-pipelined by hand).
-    Offsets inside a tile are int32 (127 * max(M, K) fits); the tile bases are int64.
+    With ``GATHER`` the tile's rows are read from the token rows ``src_rows[r] // top_k`` (a fused
+    permute_pad_rows: the gathered rows are never written).
     """
     pid = tl.program_id(0)
     num_kb = K // _TL_BLOCK
@@ -206,15 +245,28 @@ def _scaling_aware_transpose_kernel(
     if HAS_OFFSETS:  # rows at/after the last group end are neither read nor computed
         rows_end = tl.minimum(tl.load(group_end_offsets_ptr + num_groups - 1), M)
     valid_rows = rows_end - row0  # of this row tile
-    data_tile = data_ptr + row0.to(tl.int64) * K
-    scale_rows = scale_inv_ptr + row0 * num_kb
+    if GATHER:  # token rows anywhere in data: int64 row offsets from its start
+        data_rows = data_ptr
+        scale_rows = scale_inv_ptr
+    else:  # rows of this tile: an int64 base and int32 offsets (127 * max(M, K) fits)
+        data_rows = data_ptr + row0.to(tl.int64) * K
+        scale_rows = scale_inv_ptr + row0 * num_kb
+    # The tile's source rows, the same for every scale block: found once (with GATHER, read once).
+    r0, ok0 = _source_rows(src_rows_ptr, row0, quads, 0, valid_rows, top_k, GATHER)
+    r1, ok1 = _source_rows(src_rows_ptr, row0, quads, 1, valid_rows, top_k, GATHER)
+    r2, ok2 = _source_rows(src_rows_ptr, row0, quads, 2, valid_rows, top_k, GATHER)
+    r3, ok3 = _source_rows(src_rows_ptr, row0, quads, 3, valid_rows, top_k, GATHER)
     kb_first = pid_k * K_BLOCKS_PER_PROGRAM
     kb_end = tl.minimum(kb_first + K_BLOCKS_PER_PROGRAM, num_kb)
-    x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(data_tile, scale_rows, quads, kb_first, K, num_kb, valid_rows)
+    x0, x1, x2, x3, s0, s1, s2, s3 = _load_tile(
+        data_rows, scale_rows, r0, r1, r2, r3, ok0, ok1, ok2, ok3, quads, valid_rows, kb_first, K, num_kb, GATHER
+    )
     for kb in range(kb_first, kb_end):
-        # the next tile of this program (none after the last: 0 valid rows, nothing read)
+        # the next tile of this program (none after the last: 0 rows, nothing read)
         next_rows = tl.where(kb + 1 < kb_end, valid_rows, 0)
-        n0, n1, n2, n3, t0, t1, t2, t3 = _load_tile(data_tile, scale_rows, quads, kb + 1, K, num_kb, next_rows)
+        n0, n1, n2, n3, t0, t1, t2, t3 = _load_tile(
+            data_rows, scale_rows, r0, r1, r2, r3, ok0, ok1, ok2, ok3, quads, next_rows, kb + 1, K, num_kb, GATHER
+        )
         s_max = tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), axis=0)
         y0 = _reencode_rows(x0, s0, s_max)
         y1 = _reencode_rows(x1, s1, s_max)
@@ -233,13 +285,15 @@ def launch_scaling_aware_transpose(
     data: torch.Tensor,
     scale_inv: torch.Tensor,
     group_end_offsets: torch.Tensor | None = None,
+    src_rows: torch.Tensor | None = None,
+    top_k: int = 1,
     config: TransposeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`scaling_aware_transpose`.
 
     ``config=None`` takes :func:`default_transpose_config` of ``K``.
     """
-    m, k = data.shape
+    m, k = (data.shape[0], data.shape[1]) if src_rows is None else (src_rows.shape[0], data.shape[1])
     data_t = torch.empty((k, m), dtype=FP8_DTYPE, device=data.device)
     scale_inv_t = torch.empty((m // BLOCK, k), dtype=torch.float32, device=data.device)
     if m == 0 or k == 0:
@@ -255,11 +309,14 @@ def launch_scaling_aware_transpose(
         group_end_offsets,
         data_t,
         scale_inv_t,
+        src_rows,
         m,
         k,
         group_end_offsets.numel() if group_end_offsets is not None else 0,
         min(c.group_m or row_tiles, row_tiles),
+        top_k,
         HAS_OFFSETS=group_end_offsets is not None,
+        GATHER=src_rows is not None,
         K_BLOCKS_PER_PROGRAM=c.k_blocks_per_program,
         num_warps=c.num_warps,
         maxnreg=c.max_registers,
@@ -311,11 +368,21 @@ def dequantize_transpose_requantize_reference(
     return data_t, scale_t.t().contiguous()
 
 
-@define_op("scaling_aware_transpose")
-def _scaling_aware_transpose_op(
-    data: torch.Tensor, scale_inv: torch.Tensor, group_end_offsets: torch.Tensor | None
+def gather_transpose_reference(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    group_end_offsets: torch.Tensor | None,
+    src_rows: torch.Tensor | None,
+    top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of the op (the oracle and the CPU path): with ``src_rows``, the rows gathered as
+    :func:`~fp8flow_ao.kernels.permute_pad.permute_pad_rows` gathers them, then transposed."""
+    if src_rows is not None:
+        data, scale_inv = permute_pad_rows_reference(data, scale_inv, src_rows, top_k)
     return scaling_aware_transpose_reference(data, scale_inv, group_end_offsets)
+
+
+_scaling_aware_transpose_op = define_op("scaling_aware_transpose")(gather_transpose_reference)
 
 
 _scaling_aware_transpose_op.register_kernel("cuda")(launch_scaling_aware_transpose)
@@ -323,14 +390,22 @@ _scaling_aware_transpose_op.register_kernel("cuda")(launch_scaling_aware_transpo
 
 @_scaling_aware_transpose_op.register_fake
 def _(
-    data: torch.Tensor, scale_inv: torch.Tensor, group_end_offsets: torch.Tensor | None
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    group_end_offsets: torch.Tensor | None,
+    src_rows: torch.Tensor | None,
+    top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    m, k = data.shape
+    m, k = data.shape[0] if src_rows is None else src_rows.shape[0], data.shape[1]
     return data.new_empty((k, m), dtype=FP8_DTYPE), data.new_empty((m // BLOCK, k), dtype=torch.float32)
 
 
 def scaling_aware_transpose(
-    data: torch.Tensor, scale_inv: torch.Tensor, group_end_offsets: torch.Tensor | None = None
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    group_end_offsets: torch.Tensor | None = None,
+    src_rows: torch.Tensor | None = None,
+    top_k: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise (1 x 128) FP8 -> column-wise FP8 by exponent re-encoding, for the wgrad GEMM operand.
 
@@ -346,6 +421,12 @@ def scaling_aware_transpose(
         group_end_offsets: optional int32 ``[E]`` padded expert group end offsets (each a multiple
             of 128, non-decreasing, last <= M); read on the device. Rows at or past the last one
             are not read and come out as data 0, scale 0.
+        src_rows: optional int32 ``[M]`` contiguous row map of
+            :func:`~fp8flow_ao.kernels.permute_pad.permute_pad_rows` (``t * top_k + j`` per row, -1 on
+            pad rows): then ``data`` ``[T, K]`` / ``scale_inv`` ``[T, K / 128]`` are token rows and the
+            op transposes their gathered rows ``permute_pad_rows(data, scale_inv, src_rows, top_k)``
+            (the same bits) without writing them, reading each token row from L2 ``top_k`` times.
+        top_k: rows per token of ``src_rows`` (ignored without it).
 
     Returns:
         ``(data_t, scale_inv_t)``: ``data_t`` E4M3 ``[K, M]`` contiguous (column-wise: tokens
@@ -355,16 +436,25 @@ def scaling_aware_transpose(
     """
     check_fp8("data", data, ndim=2)
     check_contiguous("data", data)
-    m, k = data.shape
-    check_multiple("data", m, what="rows (M)")
+    rows, k = data.shape
     check_multiple("data", k, what="columns (K)")
     check_tensor("scale_inv", scale_inv, dtypes=torch.float32, ndim=2)
-    check_shape("scale_inv", scale_inv, (m, k // BLOCK))
+    check_shape("scale_inv", scale_inv, (rows, k // BLOCK))
     check_contiguous("scale_inv", scale_inv)
+    if src_rows is None:
+        check_multiple("data", rows, what="rows (M)")
+        m = rows
+    else:
+        check_tensor("src_rows", src_rows, dtypes=torch.int32, ndim=1)
+        check_contiguous("src_rows", src_rows)
+        m = src_rows.shape[0]
+        check_multiple("src_rows", m, what="length (M)")
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     if group_end_offsets is not None:
         check_group_end_offsets("group_end_offsets", group_end_offsets, rows=m)
         if group_end_offsets.numel() == 0:
             raise ValueError("group_end_offsets must hold at least one group end, got an empty tensor")
-    check_same_device(data=data, scale_inv=scale_inv, group_end_offsets=group_end_offsets)
+    check_same_device(data=data, scale_inv=scale_inv, group_end_offsets=group_end_offsets, src_rows=src_rows)
     check_no_grad("scaling_aware_transpose", data, scale_inv)
-    return torch.ops.fp8flow.scaling_aware_transpose(data, scale_inv, group_end_offsets)
+    return torch.ops.fp8flow.scaling_aware_transpose(data, scale_inv, group_end_offsets, src_rows, top_k)
