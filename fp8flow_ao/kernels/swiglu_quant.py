@@ -110,13 +110,13 @@ def backward_configs() -> list[LaunchConfig]:
 
     A program owns one 128-row block (the column-wise scale block), so it owns every scale block it
     writes, and walks ``col_tiles`` 128-column tiles of H. Device time on one H200 (triton 3.6,
-    2026-11-24, M = 32768, H = 2048 / 768, ``swiglu_quant_sweep.md``; registers from ptxas): one tile a
+    2026-11-24, M = 32768, H = 2048 / 768; registers from ptxas): one tile a
     program at 8 warps (245 registers, no spill) 356 / 145 us, 45% / 42% of copy bandwidth; all of H
     at 16 warps (127 registers) 374 / 152 us; the previous default, all of H at 8 warps with 2
     pipeline stages (255 registers, 114 KiB of shared memory), 395 / 158 us, and 661 / 253 us once the
-    sigmoid is ``_sigmoid``'s approximate form (the pipelined loop then loses its overlap). Far from
-    copy bandwidth: ~60 instructions per (gate, up) pair against 10 bytes, and one 8-warp program per
-    SM (``benchmarks/results/swiglu_quant.md`` notes).
+    sigmoid is ``_sigmoid``'s approximate form (measured; why the pipelined loop loses was not found).
+    Far from copy bandwidth: ~60 instructions per (gate, up) pair against 10 bytes, and one 8-warp
+    program per SM (``benchmarks/results/memory_bound_notes.md``).
     """
     return [
         LaunchConfig(block_m=BLOCK, num_warps=8, num_stages=1, col_tiles=1),
@@ -137,9 +137,9 @@ def _sigmoid(g, APPROX: tl.constexpr):
 
     With ``APPROX`` (the GPU): ``ex2.approx.ftz`` and ``div.approx.ftz`` (``__expf``, ``__fdividef``):
     4 instructions an element instead of 12 (``ex2.approx`` without ftz and ``div.full`` each add a
-    compare and two predicated multiplies for subnormal or huge operands). Exact on the range that
-    matters: both flush only what is below 2**-126 or above 2**126 to 0 or 1, where the plain form's
-    result differs from them by less than an fp32 subnormal. Without it (the CPU interpreter, which has
+    compare and two predicated multiplies for subnormal or huge operands). The results differ from the
+    plain form's only where it keeps a subnormal (``exp(-g)`` for g > 87, the quotient when
+    ``1 + exp(-g) > 2**126``) and these flush it to 0: by at most 2**-126. Without it (the CPU interpreter, which has
     no libdevice), ``tl.exp`` and ``/``; never ``tl.div_rn``, whose slow-path subroutine call at every
     element made ptxas spill the whole tile.
     """
