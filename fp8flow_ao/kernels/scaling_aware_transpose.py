@@ -281,6 +281,11 @@ def _scaling_aware_transpose_kernel(
         x0, x1, x2, x3, s0, s1, s2, s3 = n0, n1, n2, n3, t0, t1, t2, t3
 
 
+def _transposed_rows(data: torch.Tensor, src_rows: torch.Tensor | None) -> int:
+    """M: the rows transposed (``data``'s, or the gathered ones ``src_rows`` names)."""
+    return data.shape[0] if src_rows is None else src_rows.shape[0]
+
+
 def launch_scaling_aware_transpose(
     data: torch.Tensor,
     scale_inv: torch.Tensor,
@@ -293,7 +298,7 @@ def launch_scaling_aware_transpose(
 
     ``config=None`` takes :func:`default_transpose_config` of ``K``.
     """
-    m, k = (data.shape[0], data.shape[1]) if src_rows is None else (src_rows.shape[0], data.shape[1])
+    m, k = _transposed_rows(data, src_rows), data.shape[1]
     data_t = torch.empty((k, m), dtype=FP8_DTYPE, device=data.device)
     scale_inv_t = torch.empty((m // BLOCK, k), dtype=torch.float32, device=data.device)
     if m == 0 or k == 0:
@@ -396,7 +401,7 @@ def _(
     src_rows: torch.Tensor | None,
     top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    m, k = data.shape[0] if src_rows is None else src_rows.shape[0], data.shape[1]
+    m, k = _transposed_rows(data, src_rows), data.shape[1]
     return data.new_empty((k, m), dtype=FP8_DTYPE), data.new_empty((m // BLOCK, k), dtype=torch.float32)
 
 

@@ -73,6 +73,7 @@ from fp8flow_ao._checks import (
     check_tensor,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao.kernels._grouped_gemm_common import interpreting
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
@@ -310,16 +311,20 @@ def _swiglu_quant_backward_kernel(
         tl.store(grad_probs_ptr + pid_s.to(tl.int64) * M + rows, grad_probs)
 
 
+# The interpreter (TRITON_INTERPRET=1, read by triton.jit at import as here) has no libdevice: the plain
+# sigmoid there (see ``_sigmoid``), whatever device the tensors are on.
+_APPROX = not interpreting()
+
+
 def _kernel_flags(
-    h: torch.Tensor, probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None, score_before_experts: bool
+    probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None, score_before_experts: bool
 ) -> dict:
-    """Constexpr flags of both kernels. Absent optional inputs pass ``h``'s pointer, never read. The
-    interpreter (CPU tensors) has no libdevice: the plain sigmoid there (see ``_sigmoid``)."""
+    """Constexpr flags of both kernels. Absent optional inputs pass ``h``'s pointer, never read."""
     return {
         "HAS_PROBS": probs is not None,
         "SCORE_BEFORE_EXPERTS": bool(score_before_experts),
         "HAS_OFFSETS": group_end_offsets is not None,
-        "APPROX": h.is_cuda,
+        "APPROX": _APPROX,
     }
 
 
@@ -351,7 +356,7 @@ def launch_swiglu_quant(
         hidden,
         h.stride(0),
         0 if group_end_offsets is None else group_end_offsets.numel(),
-        **_kernel_flags(h, probs, group_end_offsets, score_before_experts),
+        **_kernel_flags(probs, group_end_offsets, score_before_experts),
         BLOCK_M=config.block_m,
         BLOCK_H=BLOCK,
         num_warps=config.num_warps,
@@ -402,7 +407,7 @@ def launch_swiglu_quant_backward(
         grad_a.stride(0),
         h.stride(0),
         0 if group_end_offsets is None else group_end_offsets.numel(),
-        **_kernel_flags(h, probs, group_end_offsets, score_before_experts),
+        **_kernel_flags(probs, group_end_offsets, score_before_experts),
         BLOCK_M=BLOCK,
         BLOCK_H=BLOCK,
         COL_TILES=col_tiles,
