@@ -350,14 +350,23 @@ def run_weights(passes: list[str]) -> list[dict]:
             )
             case = f"{which} M={m} K={k} N={n} E={e} rows/expert={p['rows'] // e}"
             print(f"{case}: in-GEMM {ours_us:.1f} us", flush=True)
-            for name, fn in (
+            baselines = [
                 ("quantize_128x128 + FP8 GEMM", separate),
                 (
                     "FP8 GEMM alone (weights quantized beforehand)",
                     lambda a=a, sa=sa, b8=b8, sb8=sb8, offs=offs, op=op: op(a, sa, b8, sb8, offs),
                 ),
                 ("bf16 torch._grouped_mm", functools.partial(bf16_fn, *bf16_args)),
-            ):
+            ]
+            if t:  # the dgrad on the forward's FP8 tiles, transposed in the kernel (no transposed copy)
+                w8, ws8 = p["w8"], p["ws"]
+                baselines.append(
+                    (
+                        "FP8 GEMM transposing the forward's tiles (quantized beforehand)",
+                        lambda a=a, sa=sa, w8=w8, ws8=ws8, offs=offs, op=op: op(a, sa, w8, ws8, offs, transpose_b=True),
+                    )
+                )
+            for name, fn in baselines:
                 base_us = bench_us(fn, [()])
                 print(f"    {name}: {base_us:.1f} us", flush=True)
                 rows_out.append(row(case, ours_us, name, base_us, flops=flops, rows_per_expert=p["rows"] // e))

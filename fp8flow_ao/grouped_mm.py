@@ -38,6 +38,9 @@ Recipes:
   (:func:`~fp8flow_ao.kernels.grouped_gemm_fp8_blockwise.quantize_in_gemm_pays`) and ``B_t`` is a view of
   a bf16 ``W`` (torchtitan's call), no FP8 weight is made at all: the forward and dgrad GEMMs take ``W``
   and quantize each 128x128 tile as they load it (the same bits), and backward keeps ``W`` by reference.
+  With a few more rows (:func:`~fp8flow_ao.kernels.grouped_gemm_fp8_blockwise.transpose_in_gemm_pays`)
+  no transposed copy is made: backward keeps the forward's FP8 tiles and the dgrad GEMM transposes
+  each one as it loads it (the same bits).
 * ``"rowwise"`` (comparison with torchao's FP8 row-wise path, same math as torchao 0.18's
   ``_Float8GroupedMM``): per-row power-of-two scales (``quantize_1x128(x, block_k=None)``) and
   ``torch._scaled_grouped_mm`` on CUDA; on the CPU a reference (dequantize, then
@@ -67,7 +70,7 @@ from fp8flow_ao._checks import (
     validation_enabled,
 )
 from fp8flow_ao._format import BLOCK, cast_to_fp8, nan_free_abs, pow2_scale_inv
-from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import OUT_DTYPES, quantize_in_gemm_pays
+from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import OUT_DTYPES, quantize_in_gemm_pays, transpose_in_gemm_pays
 from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows, route_pad
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
@@ -289,6 +292,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         grad_leaf: torch.Tensor | None,
         w_in_gemm: bool,
         dgrad: bool,
+        w_t_copy: bool,
     ) -> torch.Tensor:
         ctx.recipe, ctx.grad_leaf = recipe, grad_leaf
         ctx.a_dtype, ctx.b_dtype = a.dtype, b_t.dtype
@@ -303,14 +307,18 @@ class _Float8GroupedMM(torch.autograd.Function):
         else:
             # A: 1x128 blocks along K, row-major [M, K] + [M, K/128]: the forward GEMM's LHS.
             a_data, a_scale = _OPS.quantize_1x128(a, BLOCK)
+        # The dgrad's B operand is W^T: its own FP8 tiles (transpose_b False), or W's, which the dgrad GEMM
+        # transposes (and for the high-precision W quantizes) as it loads them.
+        ctx.transpose_b = not w_t_copy
         if w_in_gemm:
             # W itself (the parameter, saved by reference): forward and dgrad GEMMs quantize its 128x128 tiles.
             ctx.save_for_backward(a_data, a_scale, w, None, offs)
             return _OPS.grouped_gemm_fp8_blockwise(a_data, a_scale, w, None, offs, out_dtype)
-        # W: 128x128 tiles [E, N, K] (forward RHS, K-major) and, where a backward will need dA, its exact
-        # transpose [E, K, N] (dgrad RHS), written by the same pass.
-        w_data, w_scale, w_t_data, w_t_scale = _OPS.quantize_128x128(w, dgrad, True, None)
-        ctx.save_for_backward(a_data, a_scale, *((w_t_data, w_t_scale) if dgrad else (None, None)), offs)
+        # W: 128x128 tiles [E, N, K] (forward RHS, K-major) and, where a backward will need dA and its GEMM is
+        # to read a transposed copy, that copy [E, K, N], written by the same pass.
+        w_data, w_scale, w_t_data, w_t_scale = _OPS.quantize_128x128(w, dgrad and w_t_copy, True, None)
+        kept = (w_t_data, w_t_scale) if w_t_copy else (w_data, w_scale)
+        ctx.save_for_backward(a_data, a_scale, *(kept if dgrad else (None, None)), offs)
         return _OPS.grouped_gemm_fp8_blockwise(a_data, a_scale, w_data, w_scale, offs, out_dtype)
 
     @staticmethod
@@ -332,7 +340,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         # transposed view.
         grad_a = None if grad_a is None else grad_a.to(ctx.a_dtype)
         grad_b_t = None if grad_w is None else grad_w.to(ctx.b_dtype).transpose(-2, -1)
-        return grad_a, grad_b_t, None, None, None, None, None, None
+        return grad_a, grad_b_t, None, None, None, None, None, None, None
 
 
 def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool) -> bool:
@@ -354,17 +362,17 @@ def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool
 def _blockwise_backward(
     ctx, grad_out: torch.Tensor, fuse_into: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    a_data, a_scale, w_t_data, w_t_scale, offs = ctx.saved_tensors
+    a_data, a_scale, w, w_scale, offs = ctx.saved_tensors
     needs_a, needs_w = ctx.needs_input_grad[:2]
     # dOut [M, N]: row-wise 1x128 (dgrad LHS) and column-wise [N, M] (wgrad LHS) from one read.
     g_data, g_scale, g_t_data, g_t_scale = _OPS.quantize_dual_1x128(grad_out, offs)
     grad_a = None
     if needs_a:
         # dA [M, K] = dOut @ W per group: RHS = the exact FP8 transpose W^T [E, K, N] (K-major for the GEMM),
-        # or W itself (saved without scales) whose tiles the GEMM quantizes and transposes as it loads them.
-        in_gemm = w_t_scale is None
+        # or W's tiles [E, N, K] (FP8, or the high-precision W saved without scales) that the GEMM transposes
+        # (and quantizes) as it loads them.
         grad_a = _OPS.grouped_gemm_fp8_blockwise(
-            g_data, g_scale, w_t_data, w_t_scale, offs, torch.bfloat16, None, in_gemm
+            g_data, g_scale, w, w_scale, offs, torch.bfloat16, None, ctx.transpose_b
         )
     if not needs_w:
         return grad_a, None
@@ -440,7 +448,9 @@ def fp8_grouped_mm(
     w_in_gemm = _quantize_w_in_gemm(a.shape[0], b_t, recipe, offs_aligned)
     # Whether a backward will ask for dA: else the forward writes no transposed FP8 weight (inference, no_grad).
     dgrad = torch.is_grad_enabled() and a.requires_grad
-    args = (recipe, out_dtype, grad_leaf, w_in_gemm, dgrad)
+    # Whether the dgrad reads a transposed FP8 copy rather than transposing W's tiles in its GEMM.
+    w_t_copy = not w_in_gemm and not transpose_in_gemm_pays(a.shape[0], b_t.shape[0], offs_aligned)
+    args = (recipe, out_dtype, grad_leaf, w_in_gemm, dgrad, w_t_copy)
     if offs_aligned:
         return _Float8GroupedMM.apply(a, b_t, offs, *args)
     src_rows, dst_rows, padded_offs = _padded_groups(offs, a.shape[0])

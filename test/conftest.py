@@ -122,13 +122,18 @@ def _fresh_seed(request: pytest.FixtureRequest) -> None:
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
-@pytest.fixture(params=["in_gemm", "separate"])
+@pytest.fixture(params=["in_gemm", "transposed_in_gemm", "separate"])
 def weight_quantization(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways FP8-Flow's grouped GEMMs get a BF16 weight's FP8 tiles, forced through the rows-per-expert
-    rule (``quantize_in_gemm_pays``): quantized by the GEMMs as they load the weight ("in_gemm"), or by
-    ``quantize_128x128`` before them ("separate"). The two must give the same bits."""
+    """The three ways FP8-Flow's grouped GEMMs get a BF16 weight's FP8 tiles, forced through the
+    rows-per-expert rules (``quantize_in_gemm_pays``, ``transpose_in_gemm_pays``): quantized by the GEMMs as
+    they load the weight ("in_gemm"); by ``quantize_128x128`` before them, forward orientation only, the
+    dgrad GEMM transposing its tiles as it loads them ("transposed_in_gemm"); or by ``quantize_128x128``
+    with the transposed copy ("separate"). All must give the same bits."""
     from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise
 
-    rows = 1 << 30 if request.param == "in_gemm" else 0
-    monkeypatch.setattr(grouped_gemm_fp8_blockwise, "IN_GEMM_MAX_ROWS_PER_EXPERT", rows)
+    quantize, transpose = {"in_gemm": (1 << 30, 0), "transposed_in_gemm": (0, 1 << 30), "separate": (0, 0)}[
+        request.param
+    ]
+    monkeypatch.setattr(grouped_gemm_fp8_blockwise, "IN_GEMM_MAX_ROWS_PER_EXPERT", quantize)
+    monkeypatch.setattr(grouped_gemm_fp8_blockwise, "TRANSPOSE_IN_GEMM_MAX_ROWS_PER_EXPERT", transpose)
     return request.param

@@ -188,6 +188,84 @@ def test_every_config(launcher, config, out_dtype):
     check(out, a, a_scale, b, b_scale, offsets, out_dtype)
 
 
+# (rows per expert, forward W [E, Nw, Kw] rows and columns, rows past the last end): dgrad shapes, K = Nw.
+FP8_T_CASES = {
+    "empty_experts": ([128, 0, 200, 60], 256, 384, 9),
+    "many_tiles": ([300, 0, 1000, 129, 640, 0, 17, 900, 2000, 128], 512, 512, 200),
+}
+
+
+@pytest.mark.parametrize("case", list(FP8_T_CASES))
+def test_fp8_transpose_b_is_the_transposed_copy(case, launch):
+    """An FP8 ``W`` with ``transpose_b`` (tiles transposed in the kernel) gives, bit for bit, the output of
+    the same call on ``W``'s transposed copy (``[E, Kw, Nw]``, scales transposed with it): what the dgrad
+    used to need a second FP8 weight for. Non-finite scales reach the same outputs."""
+    counts, nw, kw, extra = FP8_T_CASES[case]
+    w, w_scale = make_weights(len(counts), nw, kw)
+    w_scale[0, 1, 0] = float("inf")
+    a, a_scale, offsets = make_rows(counts, nw, extra)
+    w_t, w_t_scale = w.transpose(1, 2).contiguous(), w_scale.transpose(1, 2).contiguous()
+    config = {"config": Sm90Config(128, 4, 8)} if launch is launch_grouped_gemm_fp8_blockwise_sm90 else {}
+    for out_dtype in OUT_DTYPES:
+        out = launch(a, a_scale, w, w_scale, offsets, out_dtype, transpose_b=True)
+        expected = launch(a, a_scale, w_t, w_t_scale, offsets, out_dtype, **config)
+        assert out.shape == (a.shape[0], kw)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+        assert not torch.isfinite(out.float()).all() and torch.isfinite(out.float()).any()
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("config", mod.HP_B_CONFIGS, ids=str)
+def test_every_fp8_transpose_b_config(config):
+    """Each stage count of the transposing sm90 kernel that fits is bit-exact against the transposed copy."""
+    counts, nw, kw, extra = FP8_T_CASES["many_tiles"]
+    w, w_scale = make_weights(len(counts), nw, kw)
+    a, a_scale, offsets = make_rows(counts, nw, extra)
+    w_t, w_t_scale = w.transpose(1, 2).contiguous(), w_scale.transpose(1, 2).contiguous()
+    for out_dtype in OUT_DTYPES:
+        if mod.sm90_smem_bytes(config, out_dtype, torch.float8_e4m3fn, True) > SM90_SMEM_BYTES:
+            continue
+        out = launch_grouped_gemm_fp8_blockwise_sm90(
+            a, a_scale, w, w_scale, offsets, out_dtype, None, True, config=config
+        )
+        expected = launch_grouped_gemm_fp8_blockwise_sm90(a, a_scale, w_t, w_t_scale, offsets, out_dtype, config=config)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp8_transpose_b_reference_and_op():
+    """The op (CPU: its reference) with an FP8 ``W`` and ``transpose_b`` equals the reference on the
+    transposed copy, bit for bit, and matches an independent dequantize-then-multiply oracle."""
+    counts = [256, 0, 128]
+    w, w_scale = make_weights(3, 256, 128)
+    dy, dy_scale, offsets = make_rows(counts, 256)
+    out = grouped_gemm_fp8_blockwise(dy, dy_scale, w, w_scale, offsets, torch.float32, transpose_b=True)
+    w_t, w_t_scale = w.transpose(1, 2).contiguous(), w_scale.transpose(1, 2).contiguous()
+    ref = grouped_gemm_fp8_blockwise_reference(
+        dy.cpu(), dy_scale.cpu(), w_t.cpu(), w_t_scale.cpu(), offsets.cpu(), torch.float32
+    )
+    if DEVICE == "cpu":
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    dy32 = dy.float().cpu() * dy_scale.cpu().repeat_interleave(BLOCK, 1)
+    w32 = w.float().cpu() * w_scale.cpu().repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)
+    expected = torch.cat([dy32[:256] @ w32[0], dy32[256:384] @ w32[2]])
+    assert rel_error(out, expected) < TOLERANCE[torch.float32]
+
+
+def test_sm90_fp8_transpose_b_builds_for_hopper():
+    """The transposing variant of the Gluon kernel compiles for sm_90a with this Triton (bf16 and fp32
+    output), its shared memory within Hopper's."""
+    built = build_every_sm90_config(
+        "grouped_gemm_fp8_blockwise",
+        "HP_B_CONFIGS",
+        "build_sm90_kernel",
+        extra="8, torch.float8_e4m3fn, True",
+        smem_extra="torch.float8_e4m3fn, True",
+    )
+    assert built, "no config fits"
+    for config, out_dtype, shared, cubin_bytes in built:
+        assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
+
+
 def make_hp_weights(e: int, n: int, k: int, dtype: torch.dtype, device: str = DEVICE, edge: bool = False):
     """High-precision weights ``[E, N, K]``, magnitudes spread over 1e-2..1e2 by expert; ``edge`` puts a NaN,
     an inf, an all-zero 128x128 tile and a tile of values at E4M3 rounding ties into expert 0."""
@@ -297,6 +375,15 @@ def test_quantize_in_gemm_rule():
     assert mod.quantize_in_gemm_pays(64 * 8, 8, bf16, aligned=False)
     assert not mod.quantize_in_gemm_pays(64 * 8 + 1, 8, bf16, aligned=False)
     assert not mod.quantize_in_gemm_pays(8, 8, torch.float32, aligned=True)
+
+
+def test_transpose_in_gemm_rule():
+    """Two M tiles per expert on average: 256 rows per expert for 128-aligned groups, 128 for groups padded
+    one by one; any weight dtype (the forward tiles are FP8 by then)."""
+    assert mod.transpose_in_gemm_pays(256 * 8, 8, aligned=True)
+    assert not mod.transpose_in_gemm_pays(256 * 8 + 1, 8, aligned=True)
+    assert mod.transpose_in_gemm_pays(128 * 8, 8, aligned=False)
+    assert not mod.transpose_in_gemm_pays(128 * 8 + 1, 8, aligned=False)
 
 
 def test_sm90_default_config_for_high_precision_b():
@@ -429,7 +516,7 @@ def test_bad_input(override, error, match):
 HP_BAD = [
     ({"b": torch.zeros(2, 128, 256), "b_scale": torch.ones(2, 1, 2)}, ValueError, "b_scale must be None"),
     ({"b_tail": torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)}, ValueError, "high-precision b only"),
-    ({"transpose_b": True}, ValueError, "high-precision b only"),
+    ({"transpose_b": True}, ValueError, "the B operand must have K"),  # FP8 W^T: K = W's dim 1 = 128
     ({"b": torch.zeros(2, 128, 256), "b_scale": None, "transpose_b": 1}, TypeError, "transpose_b must be a bool"),
     (
         {"b": torch.zeros(2, 128, 256), "b_scale": None, "b_tail": torch.zeros(2, 128, 128)},

@@ -211,7 +211,12 @@ def test_backward_keeps_fp8_activations_and_casts_twice(recipe, offs_aligned, we
         assert len(kept_weight) == in_gemm and all(t.data_ptr() == w.data_ptr() for t in kept_weight)
         assert {t.dtype for t in saved if t.shape != w.shape} <= {FP8, torch.float32, torch.int32}
         assert any(t.dtype == FP8 and t.shape == (rows, K) for t in saved)
-        # one pass for both orientations (dgrad uses the exact transpose), or the two GEMMs from W itself
+        # The dgrad's FP8 weight: the transposed copy, or the forward tiles its GEMM transposes.
+        fp8_weights = [tuple(t.shape) for t in saved if t.dtype == FP8 and t.dim() == 3]
+        w_t_shape = (w.shape[0], w.shape[2], w.shape[1])
+        expected = {"in_gemm": [], "transposed_in_gemm": [tuple(w.shape)], "separate": [w_t_shape]}
+        assert fp8_weights == expected[weight_quantization], fp8_weights
+        # one pass for both orientations (or the forward one alone), or the two GEMMs from W itself
         assert counter.counts["quantize_128x128"] == (not in_gemm)
         assert counter.counts[QUANTIZING_GEMMS] == 2 * in_gemm
         assert counter.counts["scaling_aware_transpose"] == 1
@@ -232,20 +237,25 @@ def test_weight_quantized_in_the_gemms_gives_the_same_bits(offs_aligned, compile
     a, w, offs = _inputs(GROUPS["skewed"] if offs_aligned else [1, 129, 129, 400])
     grad_out = None
     results = {}
-    for rows in (0, 1 << 30):  # the rule's threshold: quantize_128x128 first, then the GEMMs themselves
-        monkeypatch.setattr(gemm, "IN_GEMM_MAX_ROWS_PER_EXPERT", rows)
-        torch._dynamo.reset()  # the rule is read while tracing: trace again for each threshold
+    # The rules' thresholds: quantize_128x128 first with the transposed copy, or without it (the dgrad
+    # transposes), then the GEMMs quantizing the weight themselves.
+    for quantize, transpose in ((0, 0), (0, 1 << 30), (1 << 30, 0)):
+        monkeypatch.setattr(gemm, "IN_GEMM_MAX_ROWS_PER_EXPERT", quantize)
+        monkeypatch.setattr(gemm, "TRANSPOSE_IN_GEMM_MAX_ROWS_PER_EXPERT", transpose)
+        torch._dynamo.reset()  # the rules are read while tracing: trace again for each threshold
         fn = torch.compile(fp8_grouped_mm, fullgraph=True) if compiled else fp8_grouped_mm
         out = fn(a, w.transpose(-2, -1), offs, offs_aligned=offs_aligned)
         grad_out = torch.randn_like(out) if grad_out is None else grad_out
-        results[rows] = (out, *torch.autograd.grad(out, (a, w), grad_out))
+        results[quantize, transpose] = (out, *torch.autograd.grad(out, (a, w), grad_out))
         if not compiled:  # (a dispatch mode and torch.compile do not mix)
             with FP8FlowOpCounter() as counter:
                 torch.autograd.grad(fn(a, w.transpose(-2, -1), offs, offs_aligned=offs_aligned), (a, w), grad_out)
-            assert counter.counts["quantize_128x128"] == (rows == 0)
-            assert counter.counts[QUANTIZING_GEMMS] == 2 * (rows != 0)
-    for name, x, y in zip(("out", "dA", "dW"), *results.values(), strict=True):
-        assert torch.equal(x, y), name
+            assert counter.counts["quantize_128x128"] == (quantize == 0)
+            assert counter.counts[QUANTIZING_GEMMS] == 2 * (quantize != 0)
+    expected = results[0, 0]
+    for got in results.values():
+        for name, x, y in zip(("out", "dA", "dW"), got, expected, strict=True):
+            assert torch.equal(x, y), name
 
 
 def test_misaligned_offsets_raise():
@@ -317,15 +327,16 @@ class _FP8FlowCalls(FP8FlowOpCounter):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-# More than 128 rows per expert: the weight is quantized apart (quantize_128x128), not in the GEMMs.
-SEPARATE_QUANTIZE_GROUPS = [256, 512, 1024, 1024]
+# More than 256 rows per expert: the weight is quantized apart (quantize_128x128), not in the GEMMs, and
+# the dgrad reads its transposed copy.
+SEPARATE_QUANTIZE_GROUPS = [256, 768, 1536, 2048]
 
 
 @pytest.mark.parametrize("frozen", ["a", "w"])
 def test_backward_computes_only_the_gradients_asked_for(frozen):
     """A frozen weight: no scaling-aware transpose, no wgrad. An input that needs no gradient: no
     transposed FP8 weight in forward, no dgrad GEMM. The gradients computed are the same bits."""
-    a, w, offs = _inputs(SEPARATE_QUANTIZE_GROUPS, m=1024)
+    a, w, offs = _inputs(SEPARATE_QUANTIZE_GROUPS, m=2048)
     out_full, grad_a_full, grad_w_full, grad_out = _run(a, w, offs, "blockwise")
     (a if frozen == "a" else w).requires_grad_(False)
     with _FP8FlowCalls() as mode:
@@ -348,7 +359,7 @@ def test_backward_computes_only_the_gradients_asked_for(frozen):
 def test_no_grad_forward_writes_no_transposed_weight():
     """Under torch.no_grad() no backward follows: the weight is quantized in its forward orientation only,
     and the output is the same bits as with grad mode on."""
-    a, w, offs = _inputs(SEPARATE_QUANTIZE_GROUPS, m=1024)
+    a, w, offs = _inputs(SEPARATE_QUANTIZE_GROUPS, m=2048)
     with_grad = fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=True)
     with torch.no_grad(), _FP8FlowCalls() as mode:
         out = fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=True)

@@ -33,7 +33,9 @@ or past the last group end read nothing and store zeros, so the whole output is 
   benchmarks/results/grouped_gemm_notes.md). With a high-precision ``b`` a fourth partition, one
   quantizer warpgroup, turns each landed weight tile into E4M3 in place (the FP8 tile is written over
   the first bytes of its own staging slot, and its scale beside it) before the consumers are
-  released: tiles of 128x128, whose scale is one number.
+  released: tiles of 128x128, whose scale is one number. With an FP8 ``b`` and ``transpose_b`` (the dgrad on
+  the forward's tiles, no transposed copy in memory) two such warpgroups take the landed tiles in turn and
+  write each one transposed into a slot of its own.
 * ``triton`` (``tl.dot``): any TMA-capable GPU and the CPU interpreter; autotuned.
 """
 
@@ -119,8 +121,32 @@ def quantize_in_gemm_pays(rows: int, experts: int, w_dtype: torch.dtype, aligned
     average when the groups are 128-aligned (``aligned``), half that when each group is padded to 128 rows
     on its own (routed tokens); bf16 weights only (fp32 ones fit 2 ring stages). Static shapes only: no
     host sync."""
-    per_expert = IN_GEMM_MAX_ROWS_PER_EXPERT if aligned else IN_GEMM_MAX_ROWS_PER_EXPERT // 2
-    return w_dtype == torch.bfloat16 and rows <= per_expert * experts
+    return w_dtype == torch.bfloat16 and _at_most_rows_per_expert(rows, experts, aligned, IN_GEMM_MAX_ROWS_PER_EXPERT)
+
+
+# Rows per expert (on average, 128-aligned groups) up to which a dgrad reads the forward's FP8 weight tiles
+# and transposes them in the kernel (``transpose_b``) rather than a transposed copy written beside them.
+# Measured on an H200 (2026-11-24, dgrad GEMM + quantize_128x128, device time): the transposing kernel runs
+# at 690-760 TFLOP/s against the copy's 1045-1160 (two transposing warpgroups; the 128x128 tiles, their
+# transposes and the wgmma reads share the SM's shared-memory bandwidth), while quantize_128x128 without
+# the transposed copy saves a quarter of its bytes. At 256 rows per expert (E=64-128, DeepSeek/Qwen widths)
+# that nets +89 to +144 us per dgrad; at 512, -40 to -69 us; at 1024 (DeepSeek-like), -271 to -678 us.
+TRANSPOSE_IN_GEMM_MAX_ROWS_PER_EXPERT = 256
+
+
+def transpose_in_gemm_pays(rows: int, experts: int, aligned: bool) -> bool:
+    """Whether a dgrad over ``rows`` real rows of ``experts`` experts is faster given the forward's FP8 tiles
+    to transpose as it loads them (``transpose_b=True``) than given their transposed copy, counting the
+    copy's cost in ``quantize_128x128``: the same bits either way; the weight bytes saved outweigh the
+    slower GEMM where experts have few rows (:data:`TRANSPOSE_IN_GEMM_MAX_ROWS_PER_EXPERT`, halved for
+    groups padded one by one, as in :func:`quantize_in_gemm_pays`)."""
+    return _at_most_rows_per_expert(rows, experts, aligned, TRANSPOSE_IN_GEMM_MAX_ROWS_PER_EXPERT)
+
+
+def _at_most_rows_per_expert(rows: int, experts: int, aligned: bool, per_expert: int) -> bool:
+    """``rows <= per_expert * experts``, with half of ``per_expert`` for unaligned groups (padding each one
+    starts about half a tile more per expert)."""
+    return rows <= (per_expert if aligned else per_expert // 2) * experts
 
 
 # Launch configs, from the sweeps in benchmarks/results/grouped_gemm_notes.md (H200):
@@ -183,13 +209,16 @@ def _grouped_gemm_fp8_blockwise_kernel(
 
     a ``[M, K]`` (row stride ``stride_am``), a_scale ``[M, K/128]`` (row stride ``stride_asm``), out
     ``[M, N]`` contiguous, ends ``[E]`` int32 group end offsets. FP8 ``b`` ``[E, N, K]`` contiguous with
-    b_scale ``[E, N/128, K/128]``; or (``QUANTIZE_B``) the high-precision weight ``W = cat([b, tail], 1)``,
+    b_scale ``[E, N/128, K/128]`` (``TRANSPOSE_B``: ``W [E, K, N]`` with its scales ``[E, K/128, N/128]``,
+    whose ``[k, n]`` tiles are the dot's RHS as they are); or (``QUANTIZE_B``) the high-precision weight ``W = cat([b, tail], 1)``,
     ``b`` ``[E, N_HEAD, KW]`` and ``tail`` ``[E, N_TAIL, KW]`` contiguous, whose tiles (transposed with
     ``TRANSPOSE_B``) are quantized here; b_scale is then unused.
     """
     tl.static_assert(BLOCK_N == BLOCK_K, "one 128-column weight block per tile: one scale_b per K block")
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
-    if not QUANTIZE_B:
+    if not QUANTIZE_B and TRANSPOSE_B:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N])
+    elif not QUANTIZE_B:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
     k_blocks = K // BLOCK_K
@@ -220,6 +249,9 @@ def _grouped_gemm_fp8_blockwise_kernel(
                 else:
                     b, sb = _quantized_weight_tile(b_ptr, tail_ptr, e, n0, kb * BLOCK_K, N_HEAD, N_TAIL, kw, BLOCK_K)
                     b_t = b.T
+            elif TRANSPOSE_B:
+                b_t = b_desc.load([e * K + kb * BLOCK_K, n0])
+                sb = tl.load(b_scale_row + kb * n_scale_blocks + n0 // BLOCK_K)
             else:
                 b_t = b_desc.load([e * N + n0, kb * BLOCK_K]).T
                 sb = tl.load(b_scale_row + (n0 // BLOCK_K) * k_blocks + kb)
@@ -356,7 +388,8 @@ def _sm90_producer(
     """One warp: TMA loads of the A and B tiles of every K block of every live tile into the ring.
 
     ``b_descs = (b_desc, tail_desc, N_HEAD, N_TAIL)``. FP8 B: ``b_desc`` over ``[E * N, K]``, BLOCK_N x
-    128 boxes (``tail_desc`` unused). High-precision B (``QUANTIZE_B``): ``W = cat([b, tail], 1)``,
+    128 boxes (``tail_desc`` unused). A weight ``W = cat([b, tail], 1)`` the kernel prepares
+    (``QUANTIZE_B``: high precision; or ``TRANSPOSE_B``: FP8 ``W`` without a tail, ``N_TAIL = 0``):
     ``b_desc`` over ``[E * N_HEAD, KW]`` and ``tail_desc`` over ``[E * N_TAIL, KW]``, 128x128 boxes; the
     tile at W rows ``r`` and columns ``c`` is this tile's ``[n, k]`` (``[k, n]`` with ``TRANSPOSE_B``)."""
     a_bufs, b_bufs, ready, empty, _ = ring
@@ -375,7 +408,7 @@ def _sm90_producer(
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             tma_load(a_desc, [pid_m * SM90_BLOCK, kb * SM90_BLOCK], ready.index(s), a_bufs.index(s))
-            if not QUANTIZE_B:
+            if not TRANSPOSE_B and not QUANTIZE_B:
                 tma_load(b_desc, [e * N + pid_n * BLOCK_N, kb * SM90_BLOCK], ready.index(s), b_bufs.index(s))
             else:
                 r = kb * SM90_BLOCK if TRANSPOSE_B else pid_n * SM90_BLOCK
@@ -389,20 +422,38 @@ def _sm90_producer(
 
 
 @gluon.jit
-def _sm90_quantizer(TRANSPOSE_B: gl.constexpr, WARPS: gl.constexpr, w_bufs, ready, quantized, problem):
-    """``WARPS`` warps (high-precision B only): each landed 128x128 weight tile -> E4M3 with one
-    power-of-two scale, as ``quantize_128x128`` computes it, written (transposed with ``TRANSPOSE_B``)
-    over the first bytes of its own staging slot and its scale into ``q_scales``; then ``qready`` releases
-    the consumers. The writes may overwrite the slot in place: the tile's amax is a reduction over every
-    thread's loaded values, so no thread stores before all have read.
+def _sm90_prepare_b(
+    QUANTIZE_B: gl.constexpr,
+    TRANSPOSE_B: gl.constexpr,
+    WARPS: gl.constexpr,
+    PART: gl.constexpr,
+    PARTS: gl.constexpr,
+    w_bufs,
+    ready,
+    prepared,
+    problem,
+):
+    """``WARPS`` warps that turn each landed 128x128 weight tile into the consumers' E4M3 B tile, then
+    release them on ``bready``. ``prepared = (b_bufs, q_scales, bready)``.
 
-    Register layouts chosen with ``gl.bank_conflicts`` (triton 3.6, sm_90a): forward, 16-byte loads and
-    8-byte stores with no conflicts; transposed, ``ldmatrix`` loads (no conflicts) and 16-byte stores
-    with one extra wavefront each, where the forward layout would store single bytes 16-way conflicted."""
-    q_bufs, q_scales, qready = quantized
+    ``QUANTIZE_B`` (high-precision weight): E4M3 with one power-of-two scale, as ``quantize_128x128``
+    computes it, written (transposed with ``TRANSPOSE_B``) over the first bytes of its own staging slot
+    (``b_bufs`` views the slots) and its scale into ``q_scales``. The writes may overwrite the slot in place:
+    the tile's amax is a reduction over every thread's loaded values, so no thread stores before all have
+    read. Else (FP8 weight, ``TRANSPOSE_B``): the tile transposed into ``b_bufs``, slots of their own (no
+    reduction orders the reads before the writes); its scale stays in global memory for the consumers.
+
+    Register layouts chosen with ``gl.bank_conflicts`` (triton 3.6, sm_90a): bf16 forward, 16-byte loads
+    and 8-byte stores with no conflicts; bf16 transposed, ``ldmatrix`` loads (no conflicts) and 16-byte
+    stores with one extra wavefront each, where the forward layout would store single bytes 16-way
+    conflicted; E4M3 transposed, 8 ``ldmatrix`` loads, 96 byte permutes and 8 16-byte stores per thread
+    and tile (152 SASS instructions in all; the other layouts tried take 144-480 with more conflicts)."""
+    b_bufs, q_scales, bready = prepared
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = w_bufs.type.shape[0]
-    if TRANSPOSE_B:
+    if not QUANTIZE_B:
+        layout: gl.constexpr = gl.BlockedLayout([16, 4], [1, 32], [WARPS, 1], [1, 0])
+    elif TRANSPOSE_B:
         layout: gl.constexpr = gl.BlockedLayout([16, 2], [1, 32], [WARPS, 1], [1, 0])
     else:
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
@@ -410,24 +461,27 @@ def _sm90_quantizer(TRANSPOSE_B: gl.constexpr, WARPS: gl.constexpr, w_bufs, read
     live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E, SM90_BLOCK)
     # The ring's slots in the producer's order: this program's live tiles times their K blocks.
     tiles = gl.cdiv(gl.maximum(live_m * num_n - gl.program_id(0), 0), gl.num_programs(0))
-    for it in range(tiles * (K // SM90_BLOCK)):
+    # PARTS partitions take the slots in turn (this one: slots PART, PART + PARTS, ...), so one's loads
+    # and permutes run while another waits on its stores and fence.
+    for it in range(PART, tiles * (K // SM90_BLOCK), PARTS):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        w = w_bufs.index(s).load(layout)
-        # The amax in the weight's own dtype (a max is exact in any precision), so the tile stays packed
-        # in registers; max skips NaN (maxnum), and pow2_scale_inv_and_scale floors an all-NaN tile like
-        # a zero one: the scale quantize_128x128's nan_free_abs gives. Over both axes at once: each thread
-        # reduces all its values, then one shuffle tree and one value per warp (an axis at a time took
-        # 64 shuffles per thread, or a 128-wide cross-warp exchange: 2-3x the time per tile on an H200).
-        amax = gl.max(gl.abs(w)).to(gl.float32)
-        scale_inv, scale = pow2_scale_inv_and_scale(amax)
-        q = (w.to(gl.float32) * scale).to(gl.float8e4nv)
+        q = w_bufs.index(s).load(layout)
+        if QUANTIZE_B:
+            # The amax in the weight's own dtype (a max is exact in any precision), so the tile stays packed
+            # in registers; max skips NaN (maxnum), and pow2_scale_inv_and_scale floors an all-NaN tile like
+            # a zero one: the scale quantize_128x128's nan_free_abs gives. Over both axes at once: each thread
+            # reduces all its values, then one shuffle tree and one value per warp (an axis at a time took
+            # 64 shuffles per thread, or a 128-wide cross-warp exchange: 2-3x the time per tile on an H200).
+            amax = gl.max(gl.abs(q)).to(gl.float32)
+            scale_inv, scale = pow2_scale_inv_and_scale(amax)
+            q = (q.to(gl.float32) * scale).to(gl.float8e4nv)
+            q_scales.index(s).store(gl.zeros([1], gl.float32, scale_layout) + scale_inv)
         if TRANSPOSE_B:
             q = gl.permute(q, (1, 0))
-        q_bufs.index(s).slice(0, SM90_BLOCK).store(q)
-        q_scales.index(s).store(gl.zeros([1], gl.float32, scale_layout) + scale_inv)
+        b_bufs.index(s).slice(0, SM90_BLOCK).store(q)
         fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads them
-        mbarrier.arrive(qready.index(s), count=1)
+        mbarrier.arrive(bready.index(s), count=1)
 
 
 @gluon.jit
@@ -437,6 +491,7 @@ def _sm90_consumer(
     GROUP_M: gl.constexpr,
     ORDERED: gl.constexpr,
     QUANTIZE_B: gl.constexpr,
+    TRANSPOSE_B: gl.constexpr,
     ring,
     out,
     scales,
@@ -447,9 +502,10 @@ def _sm90_consumer(
 
     A 128x256 tile is computed as two 128-column halves, one after the other (two 64x128 fp32
     accumulators plus one partial: 192 registers; a single 64x256 partial would not fit). B's scales
-    come from ``b_scale`` in global memory, or (``QUANTIZE_B``) from the quantizer's ``q_scales`` slot,
-    which ``ready`` (here the quantizer's ``qready``) guarantees written; ``b_bufs`` then holds 128-row
-    tiles at the start of taller slots."""
+    come from ``b_scale`` in global memory (``[E, N/128, K/128]``, or with ``TRANSPOSE_B`` the FP8 weight's
+    own ``[E, K/128, N/128]``), or (``QUANTIZE_B``) from the quantizer's ``q_scales`` slot, which ``ready``
+    (here :func:`_sm90_prepare_b`'s ``bready``) guarantees written; ``b_bufs`` then holds 128-row tiles at
+    the start of taller slots."""
     a_bufs, b_bufs, ready, empty, turn = ring
     out_desc, out_bufs = out
     a_scale_ptr, stride_as, b_scale_ptr = scales
@@ -476,8 +532,12 @@ def _sm90_consumer(
         sa = gl.load(sa_ptrs, mask=rows < M, other=0.0)
         if not QUANTIZE_B:
             e = _sm90_expert_of_row(ends_ptr, pid_m * SM90_BLOCK, E, E_POW2, 4)
-            sb_ptr0 = b_scale_ptr + (e.to(gl.int64) * (N // SM90_BLOCK) + pid_n * HALVES) * k_blocks
-            sb_ptr1 = sb_ptr0 + (HALVES - 1) * k_blocks
+            if TRANSPOSE_B:  # the scales of W [E, K, N], the tile's [n, k] block at [k, n]
+                step_n, step_k = 1, N // SM90_BLOCK
+            else:
+                step_n, step_k = k_blocks, 1
+            sb_ptr0 = b_scale_ptr + e.to(gl.int64) * (N // SM90_BLOCK) * k_blocks + pid_n * HALVES * step_n
+            sb_ptr1 = sb_ptr0 + (HALVES - 1) * step_n
             sb0 = gl.load(sb_ptr0)
             sb1 = gl.load(sb_ptr1)
         acc0 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
@@ -491,8 +551,8 @@ def _sm90_consumer(
             if QUANTIZE_B:
                 sb0 = gl.max(q_scales.index(s).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
             else:
-                sb0_next = gl.load(sb_ptr0 + nxt)
-                sb1_next = gl.load(sb_ptr1 + nxt)
+                sb0_next = gl.load(sb_ptr0 + nxt * step_k)
+                sb1_next = gl.load(sb_ptr1 + nxt * step_k)
             part = warpgroup_mma_wait(0, deps=(part,))
             if HALVES == 1:
                 mbarrier.arrive(empty.index(s), count=1)
@@ -542,6 +602,7 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     CONSUMER_REGS: gl.constexpr,
     QUANTIZER_REGS: gl.constexpr,
     QUANTIZER_WARPS: gl.constexpr,
+    PREPARERS: gl.constexpr,
 ):
     """Warp-specialized persistent blockwise FP8 grouped GEMM (Hopper).
 
@@ -550,8 +611,9 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     ``[E * N, K]`` E4M3 (the ``[E, N, K]`` weights flattened), BLOCK_N x 128 boxes (BLOCK_N 128 or 256),
     b_scale ``[E, N/128, K/128]`` contiguous; or (``QUANTIZE_B``) a high-precision weight (128x128 boxes, ``tail_desc`` and ``N_HEAD``/``N_TAIL`` as in :func:`_sm90_producer`), quantized in
     the kernel, b_scale unused. Partitions: two consumer warpgroups (the default one and a worker,
-    ``CONSUMER_REGS`` registers each), one producer warp (40 registers) and, for a high-precision B,
-    ``QUANTIZER_WARPS`` quantizer warps (``QUANTIZER_REGS`` each).
+    ``CONSUMER_REGS`` registers each), one producer warp (40 registers) and, for a B the kernel prepares
+    (high precision: quantized; FP8 with ``TRANSPOSE_B``: transposed), ``PREPARERS`` partitions of
+    ``QUANTIZER_WARPS`` warps (``QUANTIZER_REGS`` each; :func:`_sm90_prepare_b`).
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -562,39 +624,80 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     scales = (a_scale_ptr, stride_as, b_scale_ptr)
     out = (out_desc, out_bufs)
     b_descs = (b_desc, tail_desc, N_HEAD, N_TAIL)
-    if not QUANTIZE_B:
+    if not QUANTIZE_B and not TRANSPOSE_B:
         gl.warp_specialize(
             [
-                (_sm90_consumer, (0, E_POW2, GROUP_M, ORDERED, False, ring, out, scales, problem, None)),
-                (_sm90_consumer, (1, E_POW2, GROUP_M, ORDERED, False, ring, out, scales, problem, None)),
+                (_sm90_consumer, (0, E_POW2, GROUP_M, ORDERED, False, False, ring, out, scales, problem, None)),
+                (_sm90_consumer, (1, E_POW2, GROUP_M, ORDERED, False, False, ring, out, scales, problem, None)),
                 (_sm90_producer, (E_POW2, GROUP_M, False, False, a_desc, b_descs, ring, problem)),
             ],
             [4, 1],
             [CONSUMER_REGS, 40],
         )
     else:
-        # The E4M3 tile of each slot lies over the first 16 KiB of the slot's high-precision tile.
-        rows_per_slot: gl.constexpr = SM90_BLOCK * b_desc.dtype.primitive_bitwidth // 8
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([rows_per_slot, SM90_BLOCK], gl.float8e4nv)
-        q_bufs = fp8_view_of_slots(b_bufs, q_layout)
-        # One scale per slot; 4 slots (shapes are powers of 2).
+        if QUANTIZE_B:
+            # The E4M3 tile of each slot lies over the first 16 KiB of the slot's high-precision tile.
+            rows_per_slot: gl.constexpr = SM90_BLOCK * b_desc.dtype.primitive_bitwidth // 8
+            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([rows_per_slot, SM90_BLOCK], gl.float8e4nv)
+            ready_bufs = fp8_view_of_slots(b_bufs, q_layout)
+        else:
+            # An FP8 W's transposed tiles: slots of their own, as the landed tiles' (16 KiB each).
+            ready_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, SM90_BLOCK, SM90_BLOCK], b_desc.layout)
+        # One scale per slot (unused for an FP8 W, whose scales the consumers read); 4 slots (shapes are
+        # powers of 2).
         gl.static_assert(STAGES <= 4, "q_scales holds 4 slots")
         q_scales = gl.allocate_shared_memory(gl.float32, [4, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        qready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        bready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(qready.index(i), count=1)
-        quantized = (q_bufs, q_scales, qready)
-        q_ring = (a_bufs, q_bufs, qready, empty, turn)
-        gl.warp_specialize(
-            [
-                (_sm90_consumer, (0, E_POW2, GROUP_M, ORDERED, True, q_ring, out, scales, problem, q_scales)),
-                (_sm90_consumer, (1, E_POW2, GROUP_M, ORDERED, True, q_ring, out, scales, problem, q_scales)),
-                (_sm90_producer, (E_POW2, GROUP_M, True, TRANSPOSE_B, a_desc, b_descs, ring, problem)),
-                (_sm90_quantizer, (TRANSPOSE_B, QUANTIZER_WARPS, b_bufs, ready, quantized, problem)),
-            ],
-            [4, 1, QUANTIZER_WARPS],
-            [CONSUMER_REGS, 40, QUANTIZER_REGS],
-        )
+            mbarrier.init(bready.index(i), count=1)
+        prepared = (ready_bufs, q_scales, bready)
+        b_ring = (a_bufs, ready_bufs, bready, empty, turn)
+        # Two lists spelled out (Gluon keeps constexprs only in literal argument tuples): one preparer,
+        # or two taking turns.
+        if PREPARERS == 1:
+            gl.warp_specialize(
+                [
+                    (
+                        _sm90_consumer,
+                        (0, E_POW2, GROUP_M, ORDERED, QUANTIZE_B, TRANSPOSE_B, b_ring, out, scales, problem, q_scales),
+                    ),
+                    (
+                        _sm90_consumer,
+                        (1, E_POW2, GROUP_M, ORDERED, QUANTIZE_B, TRANSPOSE_B, b_ring, out, scales, problem, q_scales),
+                    ),
+                    (_sm90_producer, (E_POW2, GROUP_M, QUANTIZE_B, TRANSPOSE_B, a_desc, b_descs, ring, problem)),
+                    (
+                        _sm90_prepare_b,
+                        (QUANTIZE_B, TRANSPOSE_B, QUANTIZER_WARPS, 0, 1, b_bufs, ready, prepared, problem),
+                    ),
+                ],
+                [4, 1, QUANTIZER_WARPS],
+                [CONSUMER_REGS, 40, QUANTIZER_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (
+                        _sm90_consumer,
+                        (0, E_POW2, GROUP_M, ORDERED, QUANTIZE_B, TRANSPOSE_B, b_ring, out, scales, problem, q_scales),
+                    ),
+                    (
+                        _sm90_consumer,
+                        (1, E_POW2, GROUP_M, ORDERED, QUANTIZE_B, TRANSPOSE_B, b_ring, out, scales, problem, q_scales),
+                    ),
+                    (_sm90_producer, (E_POW2, GROUP_M, QUANTIZE_B, TRANSPOSE_B, a_desc, b_descs, ring, problem)),
+                    (
+                        _sm90_prepare_b,
+                        (QUANTIZE_B, TRANSPOSE_B, QUANTIZER_WARPS, 0, 2, b_bufs, ready, prepared, problem),
+                    ),
+                    (
+                        _sm90_prepare_b,
+                        (QUANTIZE_B, TRANSPOSE_B, QUANTIZER_WARPS, 1, 2, b_bufs, ready, prepared, problem),
+                    ),
+                ],
+                [4, 1, QUANTIZER_WARPS, QUANTIZER_WARPS],
+                [CONSUMER_REGS, 40, QUANTIZER_REGS, QUANTIZER_REGS],
+            )
 
 
 # Registers per thread of the consumer and quantizer partitions (setmaxnreg; the producer warp keeps 40),
@@ -604,36 +707,53 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
 # accumulator + a partial) give the quantizer its share; a bf16 tile stays packed in the quantizer's
 # registers (64 per thread), an fp32 one takes 128. ptxas (triton 3.6, sm_90a) spills nothing at these
 # (fp32 at 168 / 136: 44 bytes). Eight quantizer warps (half a tile each) spill 64-320 bytes at every split
-# tried (consumers 144-168 / quantizer 64-88), so there is no 8-warp entry.
-# One warpgroup quantizes (see SM90_REGS).
+# tried (consumers 144-168 / quantizer 64-88), so there is no 8-warp entry. An FP8 weight transposed in the
+# kernel: 128x128 tiles as for bf16, and the transposing warpgroup holds a 16 KiB tile (32 per thread).
+# One warpgroup quantizes or transposes (see SM90_REGS).
 QUANTIZER_WARPS = 4
 SM90_REGS = {FP8_DTYPE: (232, 0), torch.bfloat16: (184, 104), torch.float32: (160, 152)}
+SM90_REGS_FP8_TRANSPOSED = (168, 64)
 
 
-def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype, b_dtype: torch.dtype = FP8_DTYPE) -> int:
+def _sm90_regs(b_dtype: torch.dtype, transpose_b: bool) -> tuple[int, int]:
+    """``(consumer, quantizer)`` registers per thread for B of ``b_dtype`` (see :data:`SM90_REGS`)."""
+    return SM90_REGS_FP8_TRANSPOSED if b_dtype == FP8_DTYPE and transpose_b else SM90_REGS[b_dtype]
+
+
+def _sm90_preparers(b_dtype: torch.dtype, transpose_b: bool) -> int:
+    """Warpgroups that prepare B tiles: two take turns transposing an FP8 weight's tiles (one alone is
+    latency-bound: a tile's loads, permutes, stores and fence in series); one quantizes (registers)."""
+    return 2 if b_dtype == FP8_DTYPE and transpose_b else 1
+
+
+def sm90_smem_bytes(
+    config: Sm90Config, out_dtype: torch.dtype, b_dtype: torch.dtype = FP8_DTYPE, transpose_b: bool = False
+) -> int:
     """Shared memory of the sm90 forward kernel with ``config``, ``out_dtype`` and B of ``b_dtype``
-    (a high-precision B's slots hold its 128x128 tile, the E4M3 tile written over it, plus its scale)."""
-    if b_dtype == FP8_DTYPE:
-        return config.smem_bytes(out_dtype)
-    return config.smem_bytes(out_dtype, BLOCK * BLOCK * (b_dtype.itemsize - 1))
+    (a high-precision B's slots hold its 128x128 tile, the E4M3 tile written over it, plus its scale; an
+    FP8 B transposed in the kernel (``transpose_b``) has a second 16 KiB slot per stage for the transpose)."""
+    if b_dtype != FP8_DTYPE:
+        return config.smem_bytes(out_dtype, BLOCK * BLOCK * (b_dtype.itemsize - 1))
+    return config.smem_bytes(out_dtype, BLOCK * BLOCK if transpose_b else 0)
 
 
 def sm90_default_config(
-    n: int, b_dtype: torch.dtype = FP8_DTYPE, out_dtype: torch.dtype = torch.bfloat16
+    n: int, b_dtype: torch.dtype = FP8_DTYPE, out_dtype: torch.dtype = torch.bfloat16, transpose_b: bool = False
 ) -> Sm90Config:
     """The config the op runs with for ``N`` output columns: a fixed rule from the sweep, no timing at
     run time (so nothing re-tunes when routing changes M). FP8 B: 128x256 tiles where N allows (a quarter
     less L2->SM traffic per FLOP than 128x128: +3-7% on the anchor shapes), 3 stages (4 measured
     the same, and 3 leave room for fp32 output: both output dtypes fit), consumers ordered (+1-7% at 128x256 on all six
-    anchor cases; -1-5% at 128x128); 128x128 tiles, unordered, otherwise. High-precision B (quantized in
-    the kernel): 128x128 tiles (a tile is one weight block) and as many stages as fit, up to 4."""
-    if b_dtype == FP8_DTYPE:
+    anchor cases; -1-5% at 128x128); 128x128 tiles, unordered, otherwise. A B the kernel prepares
+    (high precision, quantized; or FP8 with ``transpose_b``, transposed): 128x128 tiles (a tile is one
+    weight block) and as many stages as fit, up to 4."""
+    if b_dtype == FP8_DTYPE and not transpose_b:
         return SM90_CONFIGS[0] if n % 256 == 0 else SM90_CONFIGS[1]
     for stages in (4, 3, 2):
         config = Sm90Config(128, stages, 8)
-        if sm90_smem_bytes(config, out_dtype, b_dtype) <= SM90_SMEM_BYTES:
+        if sm90_smem_bytes(config, out_dtype, b_dtype, transpose_b) <= SM90_SMEM_BYTES:
             return config
-    raise ValueError(f"no sm90 config fits {b_dtype} weights with {out_dtype} output")
+    raise ValueError(f"no sm90 config fits {b_dtype} weights (transpose_b={transpose_b}) with {out_dtype} output")
 
 
 def launch_grouped_gemm_fp8_blockwise_sm90(
@@ -654,18 +774,18 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
     """
     quantize_b = b.dtype != FP8_DTYPE
     out, (m, n, k, e, n_head, n_tail) = _output_and_dims(a, b, out_dtype, b_tail, transpose_b)
-    config = config or sm90_default_config(n, b.dtype, out_dtype)
-    if quantize_b and config.block_n != BLOCK:
-        raise ValueError(f"{config}: a high-precision b is quantized in 128x128 tiles, so block_n must be 128")
-    check_sm90_launch(a.device, config, n, out_dtype, sm90_smem_bytes(config, out_dtype, b.dtype))
+    config = config or sm90_default_config(n, b.dtype, out_dtype, transpose_b)
+    if (quantize_b or transpose_b) and config.block_n != BLOCK:
+        raise ValueError(f"{config}: b is quantized or transposed in 128x128 tiles, so block_n must be 128")
+    check_sm90_launch(a.device, config, n, out_dtype, sm90_smem_bytes(config, out_dtype, b.dtype, transpose_b))
     if m == 0:
         return out
-    if quantize_b:
+    if quantize_b or transpose_b:
         b_desc = descriptor(b.view(e * n_head, b.shape[2]), (BLOCK, BLOCK))
         tail_desc = b_desc if b_tail is None else descriptor(b_tail.view(e * n_tail, b.shape[2]), (BLOCK, BLOCK))
     else:
         b_desc = tail_desc = descriptor(b.view(e * n, k), (config.block_n, BLOCK))
-    consumer_regs, quantizer_regs = SM90_REGS[b.dtype]
+    consumer_regs, quantizer_regs = _sm90_regs(b.dtype, transpose_b)
     tiles = cdiv(m, BLOCK) * (n // config.block_n)
     launch_kernel(
         _grouped_gemm_fp8_blockwise_sm90_kernel,
@@ -693,6 +813,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
         CONSUMER_REGS=consumer_regs,
         QUANTIZER_REGS=quantizer_regs,
         QUANTIZER_WARPS=QUANTIZER_WARPS,
+        PREPARERS=_sm90_preparers(b.dtype, transpose_b),
         num_warps=4,
     )
     return out
@@ -706,12 +827,12 @@ def build_sm90_kernel(
     transpose_b: bool = False,
 ) -> Any:
     """Compile the sm90 kernel for sm_90a without a GPU (see :func:`compile_for_sm90`), with the
-    specialization a launch with ``config``, ``out_dtype``, ``num_experts`` and B of ``b_dtype``
-    (``transpose_b`` for a high-precision one) would have."""
+    specialization a launch with ``config``, ``out_dtype``, ``num_experts``, B of ``b_dtype`` and
+    ``transpose_b`` would have."""
     fp8 = torch.float8_e4m3fn
     quantize_b = b_dtype != fp8
-    b_box = (BLOCK, BLOCK) if quantize_b else (config.block_n, BLOCK)
-    consumer_regs, quantizer_regs = SM90_REGS[b_dtype]
+    b_box = (BLOCK, BLOCK) if quantize_b or transpose_b else (config.block_n, BLOCK)
+    consumer_regs, quantizer_regs = _sm90_regs(b_dtype, transpose_b)
     signature = {
         "a_desc": descriptor_signature((BLOCK, BLOCK), fp8),
         "b_desc": descriptor_signature(b_box, b_dtype),
@@ -734,6 +855,7 @@ def build_sm90_kernel(
         "CONSUMER_REGS": consumer_regs,
         "QUANTIZER_REGS": quantizer_regs,
         "QUANTIZER_WARPS": QUANTIZER_WARPS,
+        "PREPARERS": _sm90_preparers(b_dtype, transpose_b),
     }
     return compile_for_sm90(_grouped_gemm_fp8_blockwise_sm90_kernel, signature, constexprs)
 
@@ -748,6 +870,7 @@ _SM90_CONSTEXPRS = (
     "CONSUMER_REGS",
     "QUANTIZER_REGS",
     "QUANTIZER_WARPS",
+    "PREPARERS",
 )
 
 
@@ -783,6 +906,8 @@ def grouped_gemm_fp8_blockwise_reference(
             b, with_transpose=transpose_b, with_data=not transpose_b, w_tail=b_tail
         )
         b, b_scale = (data_t, scale_t) if transpose_b else (data, scale)
+    elif transpose_b:  # 128x128 blocks are symmetric under transpose: the scales transpose with the data
+        b, b_scale = b.transpose(1, 2), b_scale.transpose(1, 2)
     a32 = dequantize_rows_reference(a, a_scale, BLOCK)
     b32 = b.float() * b_scale.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
     owner = _expert_of_rows(group_end_offsets, a.shape[0])
@@ -831,13 +956,13 @@ def _check_b(b: torch.Tensor, b_scale: torch.Tensor | None, b_tail: torch.Tensor
     if not isinstance(transpose_b, bool):
         raise TypeError(f"transpose_b must be a bool, got {type(transpose_b).__name__}")
     check_tensor("b", b, dtypes=(FP8_DTYPE, *HP_B_DTYPES), ndim=3)
-    check_contiguous("b", b)  # K-major [E, N, K] (FP8); for dgrad pass the transposed copy, never a .mT view
+    check_contiguous("b", b)  # row-major as stored; a dgrad passes the weight with transpose_b, never a .mT view
     e, n, k = b.shape
     check_multiple("b", n, what="dim 1")
     check_multiple("b", k, what="dim 2")
     if b.dtype == FP8_DTYPE:
-        if b_tail is not None or transpose_b:
-            raise ValueError("b_tail and transpose_b apply to a high-precision b only (FP8 b is used as it is)")
+        if b_tail is not None:
+            raise ValueError("b_tail applies to a high-precision b only (an FP8 b is one tensor)")
         check_tensor("b_scale", b_scale, dtypes=torch.float32, ndim=3)
         check_contiguous("b_scale", b_scale)
         return
@@ -881,8 +1006,8 @@ def _check_inputs(
             f"group_end_offsets must hold one end per expert (b has E = {e} >= 1), got {group_end_offsets.shape[0]}"
         )
     check_shape("a_scale", a_scale, (m, k // BLOCK))
-    if b_scale is not None:
-        check_shape("b_scale", b_scale, (e, n // BLOCK, k // BLOCK))
+    if b_scale is not None:  # W's own block grid, whether or not the kernel transposes it
+        check_shape("b_scale", b_scale, (e, b.shape[1] // BLOCK, b.shape[2] // BLOCK))
     check_row_major("a", a)  # K-major: the tensor cores read both operands along K
     check_row_major("a_scale", a_scale)
     check_same_device(a=a, a_scale=a_scale, b=b, b_scale=b_scale, b_tail=b_tail, group_end_offsets=group_end_offsets)
@@ -903,7 +1028,8 @@ def grouped_gemm_fp8_blockwise(
 
     Forward (``a`` = activations, ``B`` = weights ``[E, N, K]``) and dgrad (``a`` = output gradient,
     ``B`` = the exactly transposed weight ``[E, K, N]``) are the same call. ``B`` is given either as
-    FP8 tiles (``b`` + ``b_scale``: for dgrad ``quantize_128x128``'s ``data_t`` / ``scale_inv_t``) or as the
+    FP8 tiles (``b`` + ``b_scale``: for dgrad the forward's tiles with ``transpose_b=True``, which the
+    kernel transposes as it loads them, or ``quantize_128x128``'s ``data_t`` / ``scale_inv_t``) or as the
     high-precision weight itself (``b`` bf16/fp32, ``b_scale=None``), which the kernel quantizes tile by
     tile as it loads it -- bit for bit what ``quantize_128x128`` followed by the FP8 call gives, without
     an FP8 copy of the weight in memory (see the module docstring for when that pays).
@@ -912,18 +1038,20 @@ def grouped_gemm_fp8_blockwise(
         a: E4M3 ``[M, K]``, row-major (K contiguous; row stride a multiple of 16), ``K % 128 == 0``.
         a_scale: fp32 ``[M, K/128]`` row-major, COMPACT 1x128 ``scale_inv`` (dequantize multiplier)
             of ``a``; read as it is.
-        b: E4M3 ``[E, N, K]`` contiguous (K-major), ``N % 128 == 0``; or bf16/fp32 ``W [E, Nw, Kw]``
-            contiguous (row-major), both dims multiples of 128: then ``B = W`` (``N = Nw + N2``, ``K = Kw``)
-            or, with ``transpose_b``, ``B = W^T`` per expert (``N = Kw``, ``K = Nw + N2``).
-        b_scale: fp32 ``[E, N/128, K/128]`` contiguous, 128x128 ``scale_inv`` of an FP8 ``b``; ``None``
-            for a high-precision ``b``.
+        b: ``W [E, Nw, Kw]`` contiguous (row-major), both dims multiples of 128: E4M3, or bf16/fp32 (then
+            quantized by the kernel). ``B = W`` (``N = Nw + N2``, ``K = Kw``: ``W`` K-major) or, with
+            ``transpose_b``, ``B = W^T`` per expert (``N = Kw``, ``K = Nw + N2``).
+        b_scale: fp32 ``[E, Nw/128, Kw/128]`` contiguous, the 128x128 ``scale_inv`` of an FP8 ``W`` (as
+            stored, with or without ``transpose_b``); ``None`` for a high-precision ``b``.
         group_end_offsets: int32 ``[E]`` on ``a``'s device: padded group END offsets, non-decreasing
             multiples of 128 (so each group starts on a 128-row boundary), last ``<= M``. Values are
             checked only with ``FP8FLOW_VALIDATE=1`` (the check syncs the device).
         out_dtype: ``torch.bfloat16`` (default) or ``torch.float32``.
         b_tail: high-precision ``b`` only: ``[E, N2, Kw]`` rows joined below ``b`` (``W = cat([b, b_tail],
             1)``, never materialized: FC1's ``W13 = [w1; w3]``), same dtype, contiguous, ``N2 % 128 == 0``.
-        transpose_b: high-precision ``b`` only: multiply by ``W[e]`` instead of ``W[e]^T`` (the dgrad).
+        transpose_b: multiply by ``W[e]`` instead of ``W[e]^T`` (the dgrad). The kernel transposes each
+            128x128 tile in shared memory (exact: a block's scale is the same either way), so the
+            transposed FP8 copy need not exist; on Hopper such a B takes 128x128 tiles.
 
     Returns:
         ``[M, N]`` contiguous ``out_dtype``. Accumulation is fp32 with the partial product of each
