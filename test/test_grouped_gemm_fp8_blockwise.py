@@ -239,11 +239,9 @@ def test_fp8_transpose_b_reference_and_op():
     w, w_scale = make_weights(3, 256, 128)
     dy, dy_scale, offsets = make_rows(counts, 256)
     out = grouped_gemm_fp8_blockwise(dy, dy_scale, w, w_scale, offsets, torch.float32, transpose_b=True)
-    w_t, w_t_scale = w.transpose(1, 2).contiguous(), w_scale.transpose(1, 2).contiguous()
-    ref = grouped_gemm_fp8_blockwise_reference(
-        dy.cpu(), dy_scale.cpu(), w_t.cpu(), w_t_scale.cpu(), offsets.cpu(), torch.float32
-    )
-    if DEVICE == "cpu":
+    if DEVICE == "cpu":  # the op is its reference here: bit for bit the reference on the transposed copy
+        w_t, w_t_scale = w.transpose(1, 2).contiguous(), w_scale.transpose(1, 2).contiguous()
+        ref = grouped_gemm_fp8_blockwise_reference(dy, dy_scale, w_t, w_t_scale, offsets, torch.float32)
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
     dy32 = dy.float().cpu() * dy_scale.cpu().repeat_interleave(BLOCK, 1)
     w32 = w.float().cpu() * w_scale.cpu().repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)

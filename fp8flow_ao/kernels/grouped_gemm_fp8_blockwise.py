@@ -4,7 +4,8 @@ The forward and dgrad GEMM of the routed experts. ``a`` holds the permuted, padd
 experts (1x128 scales, COMPACT ``[M, K/128]``, read as they are); ``b`` holds one weight per expert,
 K-major ``[E, N, K]`` with 128x128 scales ``[E, N/128, K/128]``. For dgrad the caller passes the
 exact FP8 transpose of the forward weight (``[E, K, N]`` data, ``[E, K/128, N/128]`` scales: 128x128
-blocks are symmetric under transpose), so the same op serves both.
+blocks are symmetric under transpose), or the forward weight itself with ``transpose_b=True`` (the
+kernel transposes each tile as it loads it), so the same op serves both.
 
 Or ``b`` is the high-precision weight itself (bf16/fp32 ``W [E, Nw, Kw]``, optionally with ``b_tail``
 rows joined below it: the MoE layer's ``W13 = [w1; w3]``), and the kernel quantizes each 128x128 tile
