@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # (swiglu_quant* quantize inside a fused op; quantize_128x128 quantizes weights.)
 ACTIVATION_CAST_OPS = ("quantize_1x128", "quantize_dual_1x128")
 # The count key of grouped GEMM calls that quantize a high-precision weight themselves (tile by tile as they
-# load it, instead of reading quantize_128x128's tiles).
+# load it, instead of reading quantize_128x128's tiles), whether or not they keep the tiles (keep_b).
 QUANTIZING_GEMMS = "grouped_gemm_fp8_blockwise(high-precision b)"
 
 
@@ -37,7 +37,9 @@ class FP8FlowOpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "fp8flow":
             self.counts[func._opname] += 1
-            if func._opname == "grouped_gemm_fp8_blockwise" and args[2].dtype != torch.float8_e4m3fn:
+            if func._opname == "grouped_gemm_fp8_blockwise_keep_b" or (
+                func._opname == "grouped_gemm_fp8_blockwise" and args[2].dtype != torch.float8_e4m3fn
+            ):
                 self.counts[QUANTIZING_GEMMS] += 1
         return func(*args, **(kwargs or {}))
 

@@ -36,8 +36,9 @@ Recipes:
   ``dW`` on the scaling-aware transpose of the saved FP8 ``A`` and the column-wise half of
   ``quantize_dual_1x128(dOut)``. Where groups have few rows
   (:func:`~fp8flow_ao.kernels.grouped_gemm_fp8_blockwise.quantize_in_gemm_pays`) and ``B_t`` is a view of
-  a bf16 ``W`` (torchtitan's call), no FP8 weight is made at all: the forward and dgrad GEMMs take ``W``
-  and quantize each 128x128 tile as they load it (the same bits), and backward keeps ``W`` by reference.
+  a bf16 ``W`` (torchtitan's call), no separate pass quantizes the weight: the forward GEMM takes ``W``,
+  quantizes each 128x128 tile as it loads it (the same bits) and, where a backward will need ``dA``,
+  writes those tiles out once (``keep_b``) for the dgrad GEMM, which transposes them as it loads them.
   With a few more rows (:func:`~fp8flow_ao.kernels.grouped_gemm_fp8_blockwise.transpose_in_gemm_pays`)
   no transposed copy is made: backward keeps the forward's FP8 tiles and the dgrad GEMM transposes
   each one as it loads it (the same bits).
@@ -310,9 +311,14 @@ class _Float8GroupedMM(torch.autograd.Function):
         # The dgrad's B operand is W^T: its own FP8 tiles (transpose_b False), or W's, which the dgrad GEMM
         # transposes (and for the high-precision W quantizes) as it loads them.
         ctx.transpose_b = not w_t_copy
+        if w_in_gemm and dgrad:
+            # The forward GEMM quantizes W's 128x128 tiles as it loads them and keeps them (the experts with
+            # rows) for the dgrad, which transposes them as it loads them: one pass over the bf16 weight.
+            out, w_data, w_scale = _OPS.grouped_gemm_fp8_blockwise_keep_b(a_data, a_scale, w, offs, out_dtype, None)
+            ctx.save_for_backward(a_data, a_scale, w_data, w_scale, offs)
+            return out
         if w_in_gemm:
-            # W itself (the parameter, saved by reference): forward and dgrad GEMMs quantize its 128x128 tiles.
-            ctx.save_for_backward(a_data, a_scale, w, None, offs)
+            ctx.save_for_backward(a_data, a_scale, None, None, offs)
             return _OPS.grouped_gemm_fp8_blockwise(a_data, a_scale, w, None, offs, out_dtype)
         # W: 128x128 tiles [E, N, K] (forward RHS, K-major) and, where a backward will need dA and its GEMM is
         # to read a transposed copy, that copy [E, K, N], written by the same pass.
@@ -344,11 +350,10 @@ class _Float8GroupedMM(torch.autograd.Function):
 
 
 def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool) -> bool:
-    """Whether the blockwise GEMMs over ``rows`` (unpadded) rows take ``W`` as it is and quantize it as
-    they load it: few rows per group (``quantize_in_gemm_pays``; ``aligned``: the caller's groups are
-    128-aligned, else the op pads each one) and ``W`` the caller's own tensor, not a
-    copy (``B_t`` a transposed view of it), so keeping it for backward costs nothing; not FSDP2's FP8
-    all-gathered tiles."""
+    """Whether the blockwise forward GEMM over ``rows`` (unpadded) rows takes ``W`` as it is and quantizes
+    it as it loads it: few rows per group (``quantize_in_gemm_pays``; ``aligned``: the caller's groups are
+    128-aligned, else the op pads each one) and ``W`` the caller's own contiguous tensor, not a copy (``B_t``
+    a transposed view of it); not FSDP2's FP8 all-gathered tiles."""
     from fp8flow_ao.tensor import Float8BlockwiseWeight
 
     return (

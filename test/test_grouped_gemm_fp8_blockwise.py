@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import DEVICE
 from fp8_helpers import GEMM_TOLERANCE as TOLERANCE
-from fp8_helpers import build_every_sm90_config, padded_ends
+from fp8_helpers import assert_fp8_equal, assert_scales_equal, build_every_sm90_config, padded_ends
 
 from fp8flow_ao._format import BLOCK, quantize_rows_reference
 from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as mod
@@ -348,20 +348,95 @@ def test_high_precision_b_reference_and_op(transpose_b):
 
 
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("transpose_b", [False, True], ids=["W", "W^T"])
-def test_sm90_high_precision_b_builds_for_hopper(w_dtype, transpose_b):
+@pytest.mark.parametrize(
+    ("transpose_b", "keep_b"), [(False, False), (True, False), (False, True)], ids=["W", "W^T", "W kept"]
+)
+def test_sm90_high_precision_b_builds_for_hopper(w_dtype, transpose_b, keep_b):
     """The quantizing variant of the Gluon kernel compiles for sm_90a with this Triton (both weight dtypes,
-    both orientations, bf16 and fp32 output), its shared memory within Hopper's."""
+    both orientations, the forward that keeps its tiles, bf16 and fp32 output), its shared memory within
+    Hopper's."""
     built = build_every_sm90_config(
         "grouped_gemm_fp8_blockwise",
         "HP_B_CONFIGS",
         "build_sm90_kernel",
-        extra=f"8, torch.{str(w_dtype).split('.')[1]}, {transpose_b}",
+        extra=f"8, torch.{str(w_dtype).split('.')[1]}, {transpose_b}, {keep_b}",
         smem_extra=f"torch.{str(w_dtype).split('.')[1]}",
     )
     assert built, "no config fits"
     for config, out_dtype, shared, cubin_bytes in built:
         assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
+
+
+def check_kept_tiles(kept, w: torch.Tensor, tail: torch.Tensor | None, counts: list[int]) -> None:
+    """``kept = (data, scale)`` is ``quantize_128x128``'s output of ``cat([w, tail], 1)`` bit for bit (but a NaN's
+    sign, as everywhere) on every expert with rows (the others are left unwritten)."""
+    data, scale = quantized_operand(w, tail, transpose=False)
+    rows = torch.tensor(counts) > 0
+    assert kept[0].shape == data.shape and kept[1].shape == scale.shape
+    assert_fp8_equal(kept[0].cpu()[rows], data[rows], "kept data")
+    assert_scales_equal(kept[1].cpu()[rows], scale[rows], "kept scale_inv")
+
+
+@pytest.mark.parametrize("case", list(HP_CASES))
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_keep_b_writes_the_tiles_a_dgrad_transposes(case, w_dtype, launch):
+    """The forward that keeps its tiles gives the same output bits as the one that does not, writes
+    ``quantize_128x128``'s tiles and scales for every expert with rows (empty groups, a group of 5 rows,
+    non-finite weights), and a dgrad on those tiles with ``transpose_b`` equals the dgrad on ``W`` itself."""
+    counts, (n_head, n_tail), kw, extra = HP_CASES[case]
+    e = len(counts)
+    w = make_hp_weights(e, n_head, kw, w_dtype, edge=True)
+    tail = make_hp_weights(e, n_tail, kw, w_dtype) if n_tail else None
+    a, a_scale, offsets = make_rows(counts, kw, extra)
+    kept = mod._kept_b(w, tail)
+    for out_dtype in OUT_DTYPES:
+        out = launch(a, a_scale, w, None, offsets, out_dtype, tail, False, kept)
+        expected = launch(a, a_scale, w, None, offsets, out_dtype, b_tail=tail)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+        check_kept_tiles(kept, w, tail, counts)
+    g, g_scale, _ = make_rows(counts, n_head + n_tail, extra)
+    dgrad = launch(g, g_scale, kept[0], kept[1], offsets, torch.bfloat16, transpose_b=True)
+    expected = launch(g, g_scale, w, None, offsets, torch.bfloat16, b_tail=tail, transpose_b=True)
+    torch.testing.assert_close(dgrad, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("config", mod.HP_B_CONFIGS, ids=str)
+def test_every_keep_b_config(config):
+    """Each stage count of the quantizing sm90 kernel keeps the same tiles and output bits (the ring wraps
+    around many times per program, and the kept tiles' stores are waited for before a slot is reused)."""
+    counts, (n_head, n_tail), kw, extra = HP_CASES["many_tiles"]
+    w = make_hp_weights(len(counts), n_head, kw, torch.bfloat16)
+    tail = make_hp_weights(len(counts), n_tail, kw, torch.bfloat16)
+    a, a_scale, offsets = make_rows(counts, kw, extra)
+    kept = mod._kept_b(w, tail)
+    out = launch_grouped_gemm_fp8_blockwise_sm90(
+        a, a_scale, w, None, offsets, torch.bfloat16, tail, False, kept, config=config
+    )
+    expected = launch_grouped_gemm_fp8_blockwise_sm90(a, a_scale, w, None, offsets, torch.bfloat16, tail, config=config)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    check_kept_tiles(kept, w, tail, counts)
+
+
+def test_keep_b_reference_op_and_compile():
+    """``keep_b=True`` through the op (CPU: the reference) returns the output of the plain call and
+    ``quantize_128x128``'s tiles; compiles with fullgraph; fake and schema pass opcheck."""
+    counts = [128, 0, 256]
+    w = make_hp_weights(3, 256, 256, torch.bfloat16)
+    tail = make_hp_weights(3, 128, 256, torch.bfloat16)
+    a, a_scale, offsets = make_rows(counts, 256)
+    args = (a, a_scale, w, None, offsets, torch.bfloat16)
+    out, data, scale = grouped_gemm_fp8_blockwise(*args, b_tail=tail, keep_b=True)
+    torch.testing.assert_close(out, grouped_gemm_fp8_blockwise(*args, b_tail=tail), rtol=0, atol=0)
+    check_kept_tiles((data, scale), w, tail, counts)
+    compiled = torch.compile(grouped_gemm_fp8_blockwise, fullgraph=True)(*args, b_tail=tail, keep_b=True)
+    torch.testing.assert_close(compiled[0], out, rtol=0, atol=0)
+    check_kept_tiles(compiled[1:], w, tail, counts)
+    torch.library.opcheck(
+        torch.ops.fp8flow.grouped_gemm_fp8_blockwise_keep_b.default,
+        (a, a_scale, w, offsets, torch.bfloat16, tail),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
 
 
 def test_quantize_in_gemm_rule():
@@ -530,6 +605,9 @@ HP_BAD = [
     ({"b": torch.zeros(2, 128, 256, dtype=torch.float16), "b_scale": None}, TypeError, "b must have dtype"),
     ({"b": torch.zeros(2, 128, 256), "b_scale": None, "transpose_b": True}, ValueError, "the B operand must have K"),
     ({"b": torch.zeros(2, 128, 256).mT.contiguous().mT, "b_scale": None}, ValueError, "b must be contiguous"),
+    ({"keep_b": True}, ValueError, "keep_b needs a high-precision b"),
+    ({"b": torch.zeros(2, 256, 128), "b_scale": None, "transpose_b": True, "keep_b": True}, ValueError, "keep_b needs"),
+    ({"b": torch.zeros(2, 128, 256), "b_scale": None, "keep_b": 1}, TypeError, "keep_b must be a bool"),
 ]
 
 

@@ -16,7 +16,10 @@ ever existing in memory. That trades weight bytes for GEMM work: the high-precis
 per 128-row M tile (2 bytes for bf16 where the FP8 path reads 1, but no separate quantize pass that
 reads 2 and writes 1-2), and every M tile quantizes its tiles again. It pays where experts have few
 rows (fine-grained experts: each weight tile serves one or two M tiles, the GEMM is bound by weight
-bytes) and costs where they have many (see ``benchmarks/results/grouped_gemm_notes.md``).
+bytes) and costs where they have many (see ``benchmarks/results/grouped_gemm_notes.md``). With
+``keep_b=True`` (a training forward) the GEMM also writes the E4M3 tiles and scales it made (those of
+every expert with rows, from the first M tile of its group) for the dgrad, which transposes them as it
+loads them: the weight is read once in high precision per step and never quantized by a separate pass.
 
 Two kernels share one contract. Both walk (128-row M tile, N tile) pairs on a persistent
 grid; groups start on multiples of 128, so an M tile never straddles two experts, and each tile finds
@@ -69,6 +72,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     check_tma_operand,
     expert_of_row,
     gemm_config,
+    group_rows,
     grouped_tile,
     interpreting,
     launch,
@@ -95,6 +99,7 @@ from fp8flow_ao.kernels._sm90_common import (
     sm90_store,
     sm90_store_halves,
     tma_load,
+    tma_store,
 )
 from fp8flow_ao.kernels._triton_common import pow2_scale_inv_and_scale, quantize_tile
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128_reference
@@ -109,7 +114,11 @@ HP_B_DTYPES = (torch.bfloat16, torch.float32)
 # at 256 (two M tiles) 0.89-0.95x for forward but 1.3x for dgrad, and at 512 and up it loses in both
 # passes (1.35-1.76x): every M tile quantizes its weight tiles again, and the quantizer warpgroup, not the
 # tensor cores, sets the pace. Groups that are not 128-aligned start a tile at every expert's start, about
-# half a tile more per expert, so for them the rule asks for half the rows.
+# half a tile more per expert, so for them the rule asks for half the rows. fp8_grouped_mm's fwd+bwd with the
+# forward keeping its tiles for the dgrad (keep_b), against quantize_128x128 first (H200, 2026-11-24, device
+# time, .scratch probe): 893 vs 950 us at E=128, 128 rows per expert, K=2048 N=1536; 493 vs 528 at K=768
+# N=2048; but 6424 vs 5392 at E=64 with 256 rows per expert, and 1535 vs 1480 on unaligned groups of 128
+# rows per expert on average (207 padded): the same threshold holds with the kept tiles.
 IN_GEMM_MAX_ROWS_PER_EXPERT = 128
 
 
@@ -189,6 +198,8 @@ def _grouped_gemm_fp8_blockwise_kernel(
     b_scale_ptr,
     tail_ptr,
     out_ptr,
+    kept_ptr,
+    kept_scale_ptr,
     ends_ptr,
     M,
     N,
@@ -201,6 +212,7 @@ def _grouped_gemm_fp8_blockwise_kernel(
     E_POW2: tl.constexpr,
     QUANTIZE_B: tl.constexpr,
     TRANSPOSE_B: tl.constexpr,
+    KEEP_B: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -213,7 +225,9 @@ def _grouped_gemm_fp8_blockwise_kernel(
     b_scale ``[E, N/128, K/128]`` (``TRANSPOSE_B``: ``W [E, K, N]`` with its scales ``[E, K/128, N/128]``,
     whose ``[k, n]`` tiles are the dot's RHS as they are); or (``QUANTIZE_B``) the high-precision weight ``W = cat([b, tail], 1)``,
     ``b`` ``[E, N_HEAD, KW]`` and ``tail`` ``[E, N_TAIL, KW]`` contiguous, whose tiles (transposed with
-    ``TRANSPOSE_B``) are quantized here; b_scale is then unused.
+    ``TRANSPOSE_B``) are quantized here; b_scale is then unused. ``KEEP_B`` (quantized, not transposed):
+    the first M tile of each expert's group also stores the E4M3 tiles ``[E, N, K]`` at ``kept_ptr`` and
+    their scales ``[E, N/128, K/128]`` at ``kept_scale_ptr`` (the experts with rows: see :func:`_kept_b`).
     """
     tl.static_assert(BLOCK_N == BLOCK_K, "one 128-column weight block per tile: one scale_b per K block")
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -239,6 +253,10 @@ def _grouped_gemm_fp8_blockwise_kernel(
         rows = m0 + tl.arange(0, BLOCK_M)
         a_scale_rows = a_scale_ptr + rows.to(tl.int64) * stride_asm
         b_scale_row = b_scale_ptr + e.to(tl.int64) * n_scale_blocks * k_blocks
+        if KEEP_B:
+            keep = m0 == group_rows(ends_ptr, e)[0]
+            kept_rows = (e * N + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+            kept_tiles = kept_ptr + kept_rows[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in range(k_blocks):
             a = a_desc.load([m0, kb * BLOCK_K])
@@ -250,6 +268,10 @@ def _grouped_gemm_fp8_blockwise_kernel(
                 else:
                     b, sb = _quantized_weight_tile(b_ptr, tail_ptr, e, n0, kb * BLOCK_K, N_HEAD, N_TAIL, kw, BLOCK_K)
                     b_t = b.T
+                    if KEEP_B:  # noqa: SIM102 (keep exists only with KEEP_B: the constexpr test comes first)
+                        if keep:
+                            tl.store(kept_tiles + kb * BLOCK_K, b)
+                            tl.store(kept_scale_ptr + (e * n_scale_blocks + n0 // BLOCK_K) * k_blocks + kb, sb)
             elif TRANSPOSE_B:
                 b_t = b_desc.load([e * K + kb * BLOCK_K, n0])
                 sb = tl.load(b_scale_row + kb * n_scale_blocks + n0 // BLOCK_K)
@@ -301,10 +323,12 @@ def launch_grouped_gemm_fp8_blockwise_triton(
     out_dtype: torch.dtype = torch.bfloat16,
     b_tail: torch.Tensor | None = None,
     transpose_b: bool = False,
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     config: triton.Config | None = None,
 ) -> torch.Tensor:
-    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`grouped_gemm_fp8_blockwise`.
+    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`grouped_gemm_fp8_blockwise`;
+    ``kept``: the ``(data, scale)`` outputs the forward quantizing path writes its tiles into (:func:`_kept_b`).
 
     ``config`` pins one launch config (tests, config sweeps); by default the GPU autotunes over
     :data:`FORWARD_CONFIGS` and the interpreter runs :data:`INTERPRET_CONFIG`.
@@ -324,6 +348,7 @@ def launch_grouped_gemm_fp8_blockwise_triton(
         a_scale if b_scale is None else b_scale,  # unread when the kernel quantizes b
         b if b_tail is None else b_tail,  # without a tail the branch that reads it is never taken
         out,
+        *((out, a_scale) if kept is None else kept),  # written only with KEEP_B
         group_end_offsets,
         m,
         n,
@@ -336,6 +361,7 @@ def launch_grouped_gemm_fp8_blockwise_triton(
         E_POW2=next_pow2(e),
         QUANTIZE_B=quantize_b,
         TRANSPOSE_B=transpose_b,
+        KEEP_B=kept is not None,
         config=INTERPRET_CONFIG if config is None and interpreting() else config,
     )
     return out
@@ -423,19 +449,45 @@ def _sm90_producer(
 
 
 @gluon.jit
+def _sm90_kept_tile(
+    ends_ptr, it, k_blocks, live_m, num_n, E, GROUP_M: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr
+):
+    """``(keep, row, col, scale_index)`` for the preparer's ring slot ``it`` (the producer's order): whether
+    this M tile is the first of its expert's group (the one M tile that writes the expert's FP8 tiles out),
+    the tile's place in ``W``'s FP8 tiles ``[E * N, K]`` and its scale's index in ``[E, N/128, K/128]``."""
+    tile = gl.program_id(0) + (it // k_blocks) * gl.num_programs(0)
+    kb = it % k_blocks
+    pid_m, pid_n = grouped_tile(tile, live_m, num_n, GROUP_M)
+    m0 = pid_m * SM90_BLOCK
+    e = _sm90_expert_of_row(ends_ptr, m0, E, E_POW2, WARPS)
+    start = gl.load(ends_ptr + gl.maximum(e - 1, 0))
+    keep = m0 == gl.where(e > 0, start, 0)
+    return keep, (e * num_n + pid_n) * SM90_BLOCK, kb * SM90_BLOCK, (e * num_n + pid_n) * k_blocks + kb
+
+
+@gluon.jit
 def _sm90_prepare_b(
     QUANTIZE_B: gl.constexpr,
     TRANSPOSE_B: gl.constexpr,
+    KEEP_B: gl.constexpr,
     WARPS: gl.constexpr,
     PART: gl.constexpr,
     PARTS: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    E_POW2: gl.constexpr,
     w_bufs,
     ready,
     prepared,
     problem,
+    kept,
 ):
     """``WARPS`` warps that turn each landed 128x128 weight tile into the consumers' E4M3 B tile, then
     release them on ``bready``. ``prepared = (b_bufs, q_scales, bready)``.
+
+    ``kept = (kept_desc, kept_scale_ptr)``: with ``KEEP_B`` (forward quantizing only) the first M tile of each expert's group also stores its E4M3 tiles and scales to global memory
+    (``kept_desc`` over ``[E * N, K]``, scales ``[E, N/128, K/128]``): ``quantize_128x128``'s output for
+    every expert with rows, from the pass that reads the weight anyway. The store is waited for (its reads
+    of the slot) before the consumers are released, so the producer cannot refill the slot under it.
 
     ``QUANTIZE_B`` (high-precision weight): E4M3 with one power-of-two scale, as ``quantize_128x128``
     computes it, written (transposed with ``TRANSPOSE_B``) over the first bytes of its own staging slot
@@ -451,6 +503,7 @@ def _sm90_prepare_b(
     and tile (152 SASS instructions in all; the other layouts tried take 144-480 with more conflicts)."""
     b_bufs, q_scales, bready = prepared
     ends_ptr, M, N, K, E = problem
+    kept_desc, kept_scale_ptr = kept
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     if not QUANTIZE_B:
         layout: gl.constexpr = gl.BlockedLayout([16, 4], [1, 32], [WARPS, 1], [1, 0])
@@ -482,6 +535,14 @@ def _sm90_prepare_b(
             q = gl.permute(q, (1, 0))
         b_bufs.index(s).slice(0, SM90_BLOCK).store(q)
         fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads them
+        if KEEP_B:
+            k_blocks = K // SM90_BLOCK
+            keep, row, col, at = _sm90_kept_tile(ends_ptr, it, k_blocks, live_m, num_n, E, GROUP_M, E_POW2, WARPS)
+            if keep:
+                tma_store(kept_desc, [row, col], b_bufs.index(s).slice(0, SM90_BLOCK))
+                one = gl.zeros([1], gl.int32, scale_layout)
+                gl.store(kept_scale_ptr + at + one, scale_inv + one.to(gl.float32))
+                tma.store_wait(0)
         mbarrier.arrive(bready.index(s), count=1)
 
 
@@ -584,9 +645,11 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     b_desc,
     tail_desc,
     out_desc,
+    kept_desc,
     a_scale_ptr,
     stride_as,
     b_scale_ptr,
+    kept_scale_ptr,
     ends_ptr,
     M,
     N,
@@ -600,6 +663,7 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     ORDERED: gl.constexpr,
     QUANTIZE_B: gl.constexpr,
     TRANSPOSE_B: gl.constexpr,
+    KEEP_B: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     QUANTIZER_REGS: gl.constexpr,
     QUANTIZER_WARPS: gl.constexpr,
@@ -614,7 +678,10 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     the kernel, b_scale unused. Partitions: two consumer warpgroups (the default one and a worker,
     ``CONSUMER_REGS`` registers each), one producer warp (40 registers) and, for a B the kernel prepares
     (high precision: quantized; FP8 with ``TRANSPOSE_B``: transposed), ``PREPARERS`` partitions of
-    ``QUANTIZER_WARPS`` warps (``QUANTIZER_REGS`` each; :func:`_sm90_prepare_b`).
+    ``QUANTIZER_WARPS`` warps (``QUANTIZER_REGS`` each; :func:`_sm90_prepare_b`). ``KEEP_B`` (a
+    high-precision B, forward): the quantizer also stores the E4M3 tiles of every expert with rows through
+    ``kept_desc`` (``[E * N, K]``, 128x128 boxes) and their scales at ``kept_scale_ptr`` (``[E, N/128,
+    K/128]``); both unused otherwise.
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -625,6 +692,7 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     scales = (a_scale_ptr, stride_as, b_scale_ptr)
     out = (out_desc, out_bufs)
     b_descs = (b_desc, tail_desc, N_HEAD, N_TAIL)
+    kept = (kept_desc, kept_scale_ptr)
     if not QUANTIZE_B and not TRANSPOSE_B:
         gl.warp_specialize(
             [
@@ -669,7 +737,21 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
                     (_sm90_producer, (E_POW2, GROUP_M, QUANTIZE_B, TRANSPOSE_B, a_desc, b_descs, ring, problem)),
                     (
                         _sm90_prepare_b,
-                        (QUANTIZE_B, TRANSPOSE_B, QUANTIZER_WARPS, 0, 1, b_bufs, ready, prepared, problem),
+                        (
+                            QUANTIZE_B,
+                            TRANSPOSE_B,
+                            KEEP_B,
+                            QUANTIZER_WARPS,
+                            0,
+                            1,
+                            GROUP_M,
+                            E_POW2,
+                            b_bufs,
+                            ready,
+                            prepared,
+                            problem,
+                            kept,
+                        ),
                     ),
                 ],
                 [4, 1, QUANTIZER_WARPS],
@@ -689,11 +771,39 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
                     (_sm90_producer, (E_POW2, GROUP_M, QUANTIZE_B, TRANSPOSE_B, a_desc, b_descs, ring, problem)),
                     (
                         _sm90_prepare_b,
-                        (QUANTIZE_B, TRANSPOSE_B, QUANTIZER_WARPS, 0, 2, b_bufs, ready, prepared, problem),
+                        (
+                            QUANTIZE_B,
+                            TRANSPOSE_B,
+                            False,
+                            QUANTIZER_WARPS,
+                            0,
+                            2,
+                            GROUP_M,
+                            E_POW2,
+                            b_bufs,
+                            ready,
+                            prepared,
+                            problem,
+                            kept,
+                        ),
                     ),
                     (
                         _sm90_prepare_b,
-                        (QUANTIZE_B, TRANSPOSE_B, QUANTIZER_WARPS, 1, 2, b_bufs, ready, prepared, problem),
+                        (
+                            QUANTIZE_B,
+                            TRANSPOSE_B,
+                            False,
+                            QUANTIZER_WARPS,
+                            1,
+                            2,
+                            GROUP_M,
+                            E_POW2,
+                            b_bufs,
+                            ready,
+                            prepared,
+                            problem,
+                            kept,
+                        ),
                     ),
                 ],
                 [4, 1, QUANTIZER_WARPS, QUANTIZER_WARPS],
@@ -766,10 +876,12 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
     out_dtype: torch.dtype = torch.bfloat16,
     b_tail: torch.Tensor | None = None,
     transpose_b: bool = False,
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     config: Sm90Config | None = None,
 ) -> torch.Tensor:
-    """Gluon launcher (Hopper GPUs only). Same contract as :func:`grouped_gemm_fp8_blockwise`.
+    """Gluon launcher (Hopper GPUs only). Same contract as :func:`grouped_gemm_fp8_blockwise`; ``kept``:
+    the ``(data, scale)`` outputs the forward quantizing path writes its tiles into (see :func:`_kept_b`).
 
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_default_config`.
     """
@@ -788,16 +900,19 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
         b_desc = tail_desc = descriptor(b.view(e * n, k), (config.block_n, BLOCK))
     consumer_regs, quantizer_regs = _sm90_regs(b.dtype, transpose_b)
     tiles = cdiv(m, BLOCK) * (n // config.block_n)
+    a_desc = descriptor(a, (BLOCK, BLOCK))
     launch_kernel(
         _grouped_gemm_fp8_blockwise_sm90_kernel,
         (min(tiles, sm_count(a.device)),),
-        descriptor(a, (BLOCK, BLOCK)),
+        a_desc,
         b_desc,
         tail_desc,
         descriptor(out, (64, BLOCK)),
+        a_desc if kept is None else descriptor(kept[0].view(e * n, k), (BLOCK, BLOCK)),  # unused without kept
         a_scale,
         a_scale.stride(0),
         a_scale if b_scale is None else b_scale,  # unread when the kernel quantizes b
+        a_scale if kept is None else kept[1],
         group_end_offsets,
         m,
         n,
@@ -811,6 +926,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
         ORDERED=config.ordered,
         QUANTIZE_B=quantize_b,
         TRANSPOSE_B=transpose_b,
+        KEEP_B=kept is not None,
         CONSUMER_REGS=consumer_regs,
         QUANTIZER_REGS=quantizer_regs,
         QUANTIZER_WARPS=QUANTIZER_WARPS,
@@ -826,10 +942,11 @@ def build_sm90_kernel(
     num_experts: int = 8,
     b_dtype: torch.dtype = FP8_DTYPE,
     transpose_b: bool = False,
+    keep_b: bool = False,
 ) -> Any:
     """Compile the sm90 kernel for sm_90a without a GPU (see :func:`compile_for_sm90`), with the
-    specialization a launch with ``config``, ``out_dtype``, ``num_experts``, B of ``b_dtype`` and
-    ``transpose_b`` would have."""
+    specialization a launch with ``config``, ``out_dtype``, ``num_experts``, B of ``b_dtype``,
+    ``transpose_b`` and ``keep_b`` (kept FP8 tiles) would have."""
     fp8 = torch.float8_e4m3fn
     quantize_b = b_dtype != fp8
     b_box = (BLOCK, BLOCK) if quantize_b or transpose_b else (config.block_n, BLOCK)
@@ -839,9 +956,11 @@ def build_sm90_kernel(
         "b_desc": descriptor_signature(b_box, b_dtype),
         "tail_desc": descriptor_signature(b_box, b_dtype),
         "out_desc": descriptor_signature((64, BLOCK), out_dtype),
+        "kept_desc": descriptor_signature((BLOCK, BLOCK), fp8),
         "a_scale_ptr": "*fp32",
         "stride_as": "i32",
         "b_scale_ptr": "*fp32",
+        "kept_scale_ptr": "*fp32",
         "ends_ptr": "*i32",
         **dict.fromkeys(("M", "N", "K", "E", "N_HEAD", "N_TAIL"), "i32"),
         **dict.fromkeys(_SM90_CONSTEXPRS, "constexpr"),
@@ -853,6 +972,7 @@ def build_sm90_kernel(
         "ORDERED": config.ordered,
         "QUANTIZE_B": quantize_b,
         "TRANSPOSE_B": transpose_b,
+        "KEEP_B": keep_b,
         "CONSUMER_REGS": consumer_regs,
         "QUANTIZER_REGS": quantizer_regs,
         "QUANTIZER_WARPS": QUANTIZER_WARPS,
@@ -868,6 +988,7 @@ _SM90_CONSTEXPRS = (
     "ORDERED",
     "QUANTIZE_B",
     "TRANSPOSE_B",
+    "KEEP_B",
     "CONSUMER_REGS",
     "QUANTIZER_REGS",
     "QUANTIZER_WARPS",
@@ -952,6 +1073,69 @@ def _(
     return a.new_empty((a.shape[0], _b_dims(b, b_tail, transpose_b)[1]), dtype=out_dtype)
 
 
+def _kept_b(b: torch.Tensor, b_tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized ``(data, scale)`` for the 128x128 E4M3 tiles of a high-precision ``W = cat([b, b_tail],
+    1)`` ``[E, N, K]``: data E4M3 ``[E, N, K]``, scale fp32 ``[E, N/128, K/128]``, as ``quantize_128x128``
+    lays them out. The forward GEMM quantizing ``W`` (``keep_b``) fills in the experts that have rows."""
+    e, n, k, _, _ = _b_dims(b, b_tail, False)
+    return b.new_empty((e, n, k), dtype=FP8_DTYPE), b.new_empty((e, n // BLOCK, k // BLOCK), dtype=torch.float32)
+
+
+def launch_grouped_gemm_fp8_blockwise_keep_b(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    b_tail: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CUDA kernel of ``grouped_gemm_fp8_blockwise(..., keep_b=True)``: ``(out, b_data, b_scale)``."""
+    kept = _kept_b(b, b_tail)
+    out = launch_grouped_gemm_fp8_blockwise(a, a_scale, b, None, group_end_offsets, out_dtype, b_tail, False, kept)
+    return out, *kept
+
+
+def grouped_gemm_fp8_blockwise_keep_b_reference(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    b_tail: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of ``keep_b=True``: ``quantize_128x128_reference`` of every expert's ``W``, then the FP8
+    GEMM on those tiles."""
+    data, scale, _, _ = quantize_128x128_reference(b, with_transpose=False, with_data=True, w_tail=b_tail)
+    return grouped_gemm_fp8_blockwise_reference(a, a_scale, data, scale, group_end_offsets, out_dtype), data, scale
+
+
+@define_op("grouped_gemm_fp8_blockwise_keep_b")
+def _grouped_gemm_fp8_blockwise_keep_b_op(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    b_tail: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return grouped_gemm_fp8_blockwise_keep_b_reference(a, a_scale, b, group_end_offsets, out_dtype, b_tail)
+
+
+_grouped_gemm_fp8_blockwise_keep_b_op.register_kernel("cuda")(launch_grouped_gemm_fp8_blockwise_keep_b)
+
+
+@_grouped_gemm_fp8_blockwise_keep_b_op.register_fake
+def _(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    group_end_offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    b_tail: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return a.new_empty((a.shape[0], _b_dims(b, b_tail, False)[1]), dtype=out_dtype), *_kept_b(b, b_tail)
+
+
 def _check_b(b: torch.Tensor, b_scale: torch.Tensor | None, b_tail: torch.Tensor | None, transpose_b: bool) -> None:
     """``b`` FP8 with its scales, or high precision (quantized by the kernel) with an optional tail."""
     if not isinstance(transpose_b, bool):
@@ -1024,7 +1208,8 @@ def grouped_gemm_fp8_blockwise(
     *,
     b_tail: torch.Tensor | None = None,
     transpose_b: bool = False,
-) -> torch.Tensor:
+    keep_b: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Blockwise FP8 grouped GEMM: ``out[m] = dequant(a)[m] @ dequant(B)[e]^T`` for rows ``m`` of group ``e``.
 
     Forward (``a`` = activations, ``B`` = weights ``[E, N, K]``) and dgrad (``a`` = output gradient,
@@ -1053,14 +1238,30 @@ def grouped_gemm_fp8_blockwise(
         transpose_b: multiply by ``W[e]`` instead of ``W[e]^T`` (the dgrad). The kernel transposes each
             128x128 tile in shared memory (exact: a block's scale is the same either way), so the
             transposed FP8 copy need not exist; on Hopper such a B takes 128x128 tiles.
+        keep_b: high-precision ``b`` without ``transpose_b`` only (a forward): also return the E4M3
+            tiles the kernel made of ``W``, for a later dgrad with ``transpose_b=True``: one pass over
+            the high-precision weight gives the forward and both FP8 operands. Only the experts whose
+            group has rows get their tiles written (by the first M tile of the group); the tiles of
+            experts with empty groups are left uninitialized, which a dgrad over the same offsets never reads.
 
     Returns:
         ``[M, N]`` contiguous ``out_dtype``. Accumulation is fp32 with the partial product of each
         128-wide K block promoted by ``a_scale[m, kb] * scale_B[e, n // 128, kb]``. Rows at or past
-        the last group end are zero (never read from ``a``).
+        the last group end are zero (never read from ``a``). With ``keep_b``: ``(out, b_data, b_scale)``,
+        ``b_data`` E4M3 ``[E, N, K]`` and ``b_scale`` fp32 ``[E, N/128, K/128]`` (``scale_inv``),
+        bit for bit ``quantize_128x128(W)``'s on the experts with rows.
     """
     _check_inputs(a, a_scale, b, b_scale, group_end_offsets, out_dtype, b_tail, transpose_b)
     check_no_grad("grouped_gemm_fp8_blockwise", a, a_scale, b, b_scale, b_tail)
+    if not isinstance(keep_b, bool):
+        raise TypeError(f"keep_b must be a bool, got {type(keep_b).__name__}")
+    if keep_b:
+        if b.dtype == FP8_DTYPE or transpose_b:
+            raise ValueError(
+                f"keep_b needs a high-precision b without transpose_b (a forward that quantizes W), got b of "
+                f"{b.dtype} with transpose_b={transpose_b}"
+            )
+        return torch.ops.fp8flow.grouped_gemm_fp8_blockwise_keep_b(a, a_scale, b, group_end_offsets, out_dtype, b_tail)
     return torch.ops.fp8flow.grouped_gemm_fp8_blockwise(
         a, a_scale, b, b_scale, group_end_offsets, out_dtype, b_tail, transpose_b
     )
