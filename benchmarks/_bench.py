@@ -154,6 +154,12 @@ def skewed_counts(total: int, experts: int, alpha: float = 1.2, empty: int = 2, 
     return counts.tolist()
 
 
+def unaligned_offsets(total: int, experts: int) -> torch.Tensor:
+    """int32 CUDA group END offsets of :func:`skewed_counts` (not 128-aligned): ``torch._grouped_mm``'s
+    groups as the router makes them, before any padding."""
+    return torch.tensor(skewed_counts(total, experts), device="cuda").cumsum(0).to(torch.int32)
+
+
 def balanced_counts(total: int, experts: int) -> list[int]:
     base = [total // experts] * experts
     base[0] += total - sum(base)

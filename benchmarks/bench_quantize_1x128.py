@@ -1,8 +1,10 @@
 """quantize_1x128 against torch.compile(fullgraph=True) of ``quantize_1x128_reference``.
 
 Cases (PERF.md): M = 16384 and 32768 routed rows x D = 7168, bf16, with 1 x 128 blocks and with one
-scale per row (``block_k=None``, the row-wise recipe's cast). Bytes at the algorithmic minimum: read
-x (2 B/elem) + write data (1 B/elem) + write scale_inv (4 B per block). Issue targets: >= 80% of copy
+scale per row (``block_k=None``, the row-wise recipe's cast); and gathered (``src_rows``) into the padded
+groups of skewed, unaligned offsets over E = 128 experts (``fp8_grouped_mm``'s forward on such groups).
+Bytes at the algorithmic minimum: read x (2 B/elem) + write data (1 B/elem) + write scale_inv (4 B per
+block), gathered: + read src_rows (4 B per padded row), data and scales over the padded rows. Issue targets: >= 80% of copy
 bandwidth, >= 1.3x the compiled reference. ``device_us`` (ours) is the call's device time with the
 host excluded (``_bench.device_us``), next to ``ours_us``.
 
@@ -19,12 +21,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench import DEVICE_NOTE, n_rotations, versus_baseline, write_results  # noqa: E402
+from _bench import DEVICE_NOTE, n_rotations, unaligned_offsets, versus_baseline, write_results  # noqa: E402
 
+from fp8flow_ao.kernels.pad_group_offsets import pad_group_offsets  # noqa: E402
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128, quantize_1x128_reference  # noqa: E402
 from fp8flow_ao.shapes import BENCH_ROUTED_ROWS, DEEPSEEK_V3  # noqa: E402
 
 BASELINE = "torch.compile(fullgraph=True) reference"
+GATHER_EXPERTS = 128
 
 
 def main() -> None:
@@ -44,6 +48,16 @@ def main() -> None:
             ]
             case = f"M={m} K={d} block_k={block_k}"
             rows.append(versus_baseline(case, quantize_1x128, compiled, BASELINE, sets, bytes_moved))
+    for m in BENCH_ROUTED_ROWS:
+        src_rows = pad_group_offsets(unaligned_offsets(m, GATHER_EXPERTS), m)[0]
+        padded = src_rows.shape[0]
+        bytes_moved = 2 * m * d + padded * d + 4 * padded * (d // 128) + 4 * padded
+        sets = [
+            (torch.randn(m, d, device="cuda", dtype=torch.bfloat16), 128, src_rows)
+            for _ in range(n_rotations(bytes_moved))
+        ]
+        case = f"M={m} K={d} block_k=128 gathered into {padded} padded rows (E={GATHER_EXPERTS} unaligned)"
+        rows.append(versus_baseline(case, quantize_1x128, compiled, BASELINE, sets, bytes_moved))
     notes = "bytes = read x bf16 + write fp8 data + fp32 scale_inv; block_k=None: one scale per row. " + DEVICE_NOTE
     write_results("quantize_1x128", rows, notes)
 

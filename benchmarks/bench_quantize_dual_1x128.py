@@ -3,9 +3,11 @@ of ``quantize_dual_1x128_reference``.
 
 Cases (PERF.md): M = 16384 and 32768 routed rows x N = D = 7168 and N = 2H = 4096, bf16, without
 offsets; and with skewed (Zipf, empty experts) group end offsets of E = 32 experts in a buffer
-padded to the static bound M + 128 E, whose rows past the last group are not read. Bytes at the
-algorithmic minimum: read the rows before the last group end (2 B/elem) + write row_data and col_data
-(1 B/elem each over the whole buffer) + write both scale tensors (4 B per block).
+padded to the static bound M + 128 E, whose rows past the last group are not read; and M unpadded rows
+of skewed, unaligned groups over E = 128 gathered (``src_rows``) into their padded layout (the
+``dOut`` of ``fp8_grouped_mm`` on such groups). Bytes at the algorithmic minimum: read the rows before
+the last group end (2 B/elem) + write row_data and col_data (1 B/elem each over the whole buffer) +
+write both scale tensors (4 B per block) (+ read src_rows, 4 B per padded row).
 
 ``--sweep`` times every launch configuration (``quantize_dual_1x128_configs()``) through the
 launcher instead of the baseline, each checked bit for bit against the compiled reference, to choose
@@ -27,9 +29,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench import DEVICE_NOTE, bench_us, bits_equal, n_rotations, row, skewed_counts, versus_baseline, write_results  # noqa: E402
+from _bench import (  # noqa: E402
+    DEVICE_NOTE,
+    bench_us,
+    bits_equal,
+    n_rotations,
+    row,
+    skewed_counts,
+    unaligned_offsets,
+    versus_baseline,
+    write_results,
+)
 
 from fp8flow_ao._format import BLOCK  # noqa: E402
+from fp8flow_ao.kernels.pad_group_offsets import pad_group_offsets  # noqa: E402
 from fp8flow_ao.kernels.quantize_dual_1x128 import (  # noqa: E402
     DEFAULT_CONFIG,
     launch_quantize_dual_1x128,
@@ -41,6 +54,7 @@ from fp8flow_ao.shapes import BENCH_ROUTED_ROWS, DEEPSEEK_V3  # noqa: E402
 
 BASELINE = "torch.compile(fullgraph=True) reference"
 D, TWO_H, E = DEEPSEEK_V3.dim, 2 * DEEPSEEK_V3.hidden, DEEPSEEK_V3.experts
+GATHER_EXPERTS = 128
 CASES = [(m, n, None) for m in BENCH_ROUTED_ROWS for n in (D, TWO_H)] + [(m, D, E) for m in BENCH_ROUTED_ROWS]
 
 
@@ -55,12 +69,28 @@ def sweep_rows(case: str, compiled, sets: list[tuple], bytes_moved: int) -> list
     expected = compiled(*sets[0])
     rows = []
     for cfg in quantize_dual_1x128_configs():
-        exact = bits_equal(launch_quantize_dual_1x128(*sets[0], cfg), expected)
-        us = bench_us(lambda g, o, c=cfg: launch_quantize_dual_1x128(g, o, c), sets)
+        exact = bits_equal(launch_quantize_dual_1x128(*sets[0], config=cfg), expected)
+        us = bench_us(lambda g, o, c=cfg: launch_quantize_dual_1x128(g, o, config=c), sets)
         default = cfg == DEFAULT_CONFIG
         rows.append(
             row(case, us, "none", None, bytes_moved=bytes_moved, config=str(cfg), default=default, bit_exact=exact)
         )
+    return rows
+
+
+def gathered_rows(compiled) -> list[dict]:
+    """The unpadded gradient of unaligned groups quantized into their padded layout (``src_rows``)."""
+    rows = []
+    for m in BENCH_ROUTED_ROWS:
+        src_rows, _, offsets = pad_group_offsets(unaligned_offsets(m, GATHER_EXPERTS), m)
+        padded = src_rows.shape[0]
+        bytes_moved = 2 * m * D + 2 * padded * D + 2 * 4 * padded * D // BLOCK + 4 * padded
+        sets = [
+            (torch.randn(m, D, device="cuda", dtype=torch.bfloat16), offsets, src_rows)
+            for _ in range(n_rotations(bytes_moved))
+        ]
+        case = f"M={m} N={D} gathered into {padded} padded rows (E={GATHER_EXPERTS} unaligned)"
+        rows.append(versus_baseline(case, quantize_dual_1x128, compiled, BASELINE, sets, bytes_moved))
     return rows
 
 
@@ -89,6 +119,8 @@ def main() -> None:
             rows.append(versus_baseline(case, quantize_dual_1x128, compiled, BASELINE, sets, bytes_moved))
         del sets
         torch.cuda.empty_cache()
+    if not args.sweep:
+        rows += gathered_rows(compiled)
     notes = "bytes = read g bf16 (rows before the last group end) + write fp8 row/col data + fp32 scales. "
     notes += "" if args.sweep else DEVICE_NOTE
     write_results("quantize_dual_1x128_sweep" if args.sweep else "quantize_dual_1x128", rows, notes)

@@ -86,6 +86,15 @@ def check_group_end_offsets(name: str, offsets: object, rows: int | None = None)
         validate_group_end_offsets(name, offsets, rows)
 
 
+def check_row_map(name: str, rows: object, low: int | None = None, high: int | None = None) -> None:
+    """Raise unless ``rows`` is a contiguous 1-D int32 row map; with ``FP8FLOW_VALIDATE=1`` and bounds
+    given, also unless its values lie in ``[low, high)`` (``-1`` marks a pad row where ``low`` is -1)."""
+    check_tensor(name, rows, dtypes=torch.int32, ndim=1)
+    check_contiguous(name, rows)
+    if high is not None and validation_enabled():
+        validate_index_range(name, rows, low, high)
+
+
 def validation_enabled() -> bool:
     """Data-reading checks are opt-in: they sync the device. Set ``FP8FLOW_VALIDATE=1``."""
     return os.environ.get("FP8FLOW_VALIDATE", "0") == "1" and not torch.compiler.is_compiling()

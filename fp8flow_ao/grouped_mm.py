@@ -9,14 +9,16 @@ is the transposed view of the expert weights ``W [E, N, K]`` (torchtitan passes
 Group sizes: any non-decreasing END offsets, as ``torch._grouped_mm`` takes them (empty groups,
 groups of one row, ``M`` not a multiple of 128). The FP8-Flow format needs every group to START on
 a multiple of 128 rows (a wgrad 128-row column block must not straddle two experts), so by default
-the op pads on the device, with no host sync and static shapes: :func:`route_pad` turns the
-offsets into row maps and 128-aligned padded offsets (the rows at or past the last end form one
-more group, so they stay out of every expert), :class:`_PadRows` gathers ``A`` into the padded
-layout (``[M_pad, K]``, ``M_pad = padded_rows_bound(M, E + 1)``, pad rows 0) and
-:func:`unpermute_unpad` gathers the output rows back; their backwards move ``dA`` and ``dOut`` the
-other way. Callers whose offsets are already multiples of 128 (the FP8-Flow layout, e.g. from
+the op pads on the device, with no host sync and static shapes: :func:`pad_group_offsets` turns the
+offsets into row maps and 128-aligned padded offsets in one launch (the rows at or past the last end
+form one more group, so they stay out of every expert). The blockwise recipe gathers as it quantizes:
+``quantize_1x128`` writes ``A``'s FP8 rows straight into the padded layout (``[M_pad, K]``, ``M_pad =
+padded_rows_bound(M, E + 1)``; pad rows data 0, scale 0) and backward's ``quantize_dual_1x128`` reads
+``dOut``'s rows into it the same way, so no high-precision padded copy is written; only the output and
+``dA`` are gathered back (:func:`unpermute_unpad`). The row-wise recipe pads ``A`` itself first
+(:class:`_PadRows`). Callers whose offsets are already multiples of 128 (the FP8-Flow layout, e.g. from
 ``route_pad`` or torchtitan's ``set_token_group_alignment_size_m(128)``) pass ``offs_aligned=True``
-and skip those three gathers: the GEMMs then run on ``A`` as it is. Offsets live on the device, so
+and skip those gathers: the GEMMs then run on ``A`` as it is. Offsets live on the device, so
 their values are checked only where that costs no device sync: on CPU tensors, and on the GPU with
 ``FP8FLOW_VALIDATE=1``; a bad offset (or, with ``offs_aligned=True``, a misaligned one) then raises
 a ``ValueError``.
@@ -58,6 +60,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 # Importing the kernel modules registers the ops that _Float8GroupedMM calls through torch.ops.
+import fp8flow_ao.kernels.pad_group_offsets
 import fp8flow_ao.kernels.quantize_128x128
 import fp8flow_ao.kernels.quantize_dual_1x128
 import fp8flow_ao.kernels.scaling_aware_transpose  # noqa: F401
@@ -73,7 +76,7 @@ from fp8flow_ao._checks import (
 from fp8flow_ao._format import BLOCK, cast_to_fp8, nan_free_abs, pow2_scale_inv
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import OUT_DTYPES, quantize_in_gemm_pays, transpose_in_gemm_pays
 from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
-from fp8flow_ao.kernels.permute_pad import permute_pad_rows, route_pad
+from fp8flow_ao.kernels.permute_pad import permute_pad_rows
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 from fp8flow_ao.tensor import Float8BlockwiseActivation
@@ -266,19 +269,6 @@ class _PadRows(torch.autograd.Function):
         return unpermute_unpad(grad.contiguous(), dst_rows, 1), None, None
 
 
-def _padded_groups(offs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row maps into the padded layout and its group ends (on the device, no sync).
-
-    Row ``i`` belongs to group ``searchsorted(offs, i, right=True)``: rows at or past the last end
-    form group ``E``, padded like the others, so they stay out of every expert's GEMM (as in the
-    aligned layout). Returns ``(src_rows [M_pad], dst_rows [M], padded ends [E])``, int32.
-    """
-    experts = offs.shape[0]
-    group = torch.searchsorted(offs, torch.arange(rows, dtype=offs.dtype, device=offs.device), right=True)
-    src_rows, dst_rows, ends = route_pad(group.view(rows, 1), experts + 1)
-    return src_rows, dst_rows, ends[:experts]
-
-
 class _Float8GroupedMM(torch.autograd.Function):
     """Differentiable FP8 grouped GEMM ``out[rows of e] = A[rows of e] @ B_t[e]`` (see module docstring)."""
 
@@ -294,6 +284,8 @@ class _Float8GroupedMM(torch.autograd.Function):
         w_in_gemm: bool,
         dgrad: bool,
         w_t_copy: bool,
+        src_rows: torch.Tensor | None,
+        dst_rows: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.recipe, ctx.grad_leaf = recipe, grad_leaf
         ctx.a_dtype, ctx.b_dtype = a.dtype, b_t.dtype
@@ -303,29 +295,19 @@ class _Float8GroupedMM(torch.autograd.Function):
         # Checked once by fp8_grouped_mm (_check_args); the tensors made here go straight to the ops
         # (torch.ops.fp8flow), without their public functions' checks again: the host time matters at
         # fine-grained shapes, where the op is host-bound.
+        # Unaligned groups (src_rows/dst_rows given): the GEMMs run on the padded rows; out and dA are
+        # gathered back to the caller's rows.
         if isinstance(a, Float8BlockwiseActivation):
-            a_data, a_scale = a.data_and_scale()
+            a_data, a_scale = (a if src_rows is None else a.permute_pad_rows(src_rows, 1)).data_and_scale()
         else:
-            # A: 1x128 blocks along K, row-major [M, K] + [M, K/128]: the forward GEMM's LHS.
-            a_data, a_scale = _OPS.quantize_1x128(a, BLOCK)
+            # A: 1x128 blocks along K, row-major [M, K] + [M, K/128] (padded as it is read): the forward LHS.
+            a_data, a_scale = _OPS.quantize_1x128(a, BLOCK, src_rows)
         # The dgrad's B operand is W^T: its own FP8 tiles (transpose_b False), or W's, which the dgrad GEMM
         # transposes (and for the high-precision W quantizes) as it loads them.
         ctx.transpose_b = not w_t_copy
-        if w_in_gemm and dgrad:
-            # The forward GEMM quantizes W's 128x128 tiles as it loads them and keeps them (the experts with
-            # rows) for the dgrad, which transposes them as it loads them: one pass over the bf16 weight.
-            out, w_data, w_scale = _OPS.grouped_gemm_fp8_blockwise_keep_b(a_data, a_scale, w, offs, out_dtype, None)
-            ctx.save_for_backward(a_data, a_scale, w_data, w_scale, offs)
-            return out
-        if w_in_gemm:
-            ctx.save_for_backward(a_data, a_scale, None, None, offs)
-            return _OPS.grouped_gemm_fp8_blockwise(a_data, a_scale, w, None, offs, out_dtype)
-        # W: 128x128 tiles [E, N, K] (forward RHS, K-major) and, where a backward will need dA and its GEMM is
-        # to read a transposed copy, that copy [E, K, N], written by the same pass.
-        w_data, w_scale, w_t_data, w_t_scale = _OPS.quantize_128x128(w, dgrad and w_t_copy, True, None)
-        kept = (w_t_data, w_t_scale) if w_t_copy else (w_data, w_scale)
-        ctx.save_for_backward(a_data, a_scale, *(kept if dgrad else (None, None)), offs)
-        return _OPS.grouped_gemm_fp8_blockwise(a_data, a_scale, w_data, w_scale, offs, out_dtype)
+        out, w_saved = _blockwise_forward(a_data, a_scale, w, offs, out_dtype, w_in_gemm, dgrad, w_t_copy)
+        ctx.save_for_backward(a_data, a_scale, *w_saved, offs, src_rows, dst_rows)
+        return out if dst_rows is None else _OPS.unpermute_unpad(out, dst_rows, 1, None)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -346,7 +328,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         # transposed view.
         grad_a = None if grad_a is None else grad_a.to(ctx.a_dtype)
         grad_b_t = None if grad_w is None else grad_w.to(ctx.b_dtype).transpose(-2, -1)
-        return grad_a, grad_b_t, None, None, None, None, None, None, None
+        return grad_a, grad_b_t, None, None, None, None, None, None, None, None, None
 
 
 def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool) -> bool:
@@ -364,13 +346,40 @@ def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool
     )
 
 
+def _blockwise_forward(
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    w_in_gemm: bool,
+    dgrad: bool,
+    w_t_copy: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """The forward GEMM on the padded FP8 rows and the weight operand backward's dgrad reads (``(None,
+    None)`` without one to come): ``(out [M_pad, N], (data, scale))``."""
+    if w_in_gemm and dgrad:
+        # The forward GEMM quantizes W's 128x128 tiles as it loads them and keeps them (the experts with
+        # rows) for the dgrad, which transposes them as it loads them: one pass over the bf16 weight.
+        out, w_data, w_scale = _OPS.grouped_gemm_fp8_blockwise_keep_b(a_data, a_scale, w, offs, out_dtype, None)
+        return out, (w_data, w_scale)
+    if w_in_gemm:
+        return _OPS.grouped_gemm_fp8_blockwise(a_data, a_scale, w, None, offs, out_dtype), (None, None)
+    # W: 128x128 tiles [E, N, K] (forward RHS, K-major) and, where a backward will need dA and its GEMM is
+    # to read a transposed copy, that copy [E, K, N], written by the same pass.
+    w_data, w_scale, w_t_data, w_t_scale = _OPS.quantize_128x128(w, dgrad and w_t_copy, True, None)
+    kept = (w_t_data, w_t_scale) if w_t_copy else (w_data, w_scale)
+    out = _OPS.grouped_gemm_fp8_blockwise(a_data, a_scale, w_data, w_scale, offs, out_dtype)
+    return out, (kept if dgrad else (None, None))
+
+
 def _blockwise_backward(
     ctx, grad_out: torch.Tensor, fuse_into: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    a_data, a_scale, w, w_scale, offs = ctx.saved_tensors
+    a_data, a_scale, w, w_scale, offs, src_rows, dst_rows = ctx.saved_tensors
     needs_a, needs_w = ctx.needs_input_grad[:2]
-    # dOut [M, N]: row-wise 1x128 (dgrad LHS) and column-wise [N, M] (wgrad LHS) from one read.
-    g_data, g_scale, g_t_data, g_t_scale = _OPS.quantize_dual_1x128(grad_out, offs)
+    # dOut [M, N] (padded as it is read): row-wise 1x128 (dgrad LHS) and column-wise [N, M] (wgrad LHS).
+    g_data, g_scale, g_t_data, g_t_scale = _OPS.quantize_dual_1x128(grad_out, offs, src_rows)
     grad_a = None
     if needs_a:
         # dA [M, K] = dOut @ W per group: RHS = the exact FP8 transpose W^T [E, K, N] (K-major for the GEMM),
@@ -379,6 +388,8 @@ def _blockwise_backward(
         grad_a = _OPS.grouped_gemm_fp8_blockwise(
             g_data, g_scale, w, w_scale, offs, torch.bfloat16, None, ctx.transpose_b
         )
+        if dst_rows is not None:
+            grad_a = _OPS.unpermute_unpad(grad_a, dst_rows, 1, None)
     if not needs_w:
         return grad_a, None
     # dW_e [N, K] = dOut_e^T A_e: A re-encoded column-wise [K, M] by exponent shift, no re-quantization.
@@ -457,7 +468,9 @@ def fp8_grouped_mm(
     w_t_copy = not w_in_gemm and not transpose_in_gemm_pays(a.shape[0], b_t.shape[0], offs_aligned)
     args = (recipe, out_dtype, grad_leaf, w_in_gemm, dgrad, w_t_copy)
     if offs_aligned:
-        return _Float8GroupedMM.apply(a, b_t, offs, *args)
-    src_rows, dst_rows, padded_offs = _padded_groups(offs, a.shape[0])
-    out = _Float8GroupedMM.apply(_PadRows.apply(a, src_rows, dst_rows), b_t, padded_offs, *args)
+        return _Float8GroupedMM.apply(a, b_t, offs, *args, None, None)
+    src_rows, dst_rows, padded_offs = _OPS.pad_group_offsets(offs, a.shape[0])
+    if recipe == "blockwise":
+        return _Float8GroupedMM.apply(a, b_t, padded_offs, *args, src_rows, dst_rows)
+    out = _Float8GroupedMM.apply(_PadRows.apply(a, src_rows, dst_rows), b_t, padded_offs, *args, None, None)
     return unpermute_unpad(out, dst_rows, 1)

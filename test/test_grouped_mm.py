@@ -144,6 +144,23 @@ def test_unaligned_groups_match_bf16_grouped_mm(case, compiled):
             assert not grad_w[e].any(), f"empty expert {e} must get a zero weight gradient"
 
 
+@pytest.mark.parametrize("fp8_input", [False, True], ids=["bf16_a", "fp8_a"])
+def test_unaligned_blockwise_pads_as_it_quantizes(fp8_input):
+    """Unaligned groups, blockwise: one launch makes the row maps, A is padded as it is quantized (or its FP8
+    rows gathered) and dOut as backward quantizes it: no high-precision padded copy of either, and only
+    the output and dA gathered back."""
+    a, w, offs = _inputs([1, 129, 300, 301], m=310, k=256, n=256)
+    x = to_fp8_blockwise(a) if fp8_input else a
+    with FP8FlowOpCounter() as counter:
+        out = fp8_grouped_mm(x, w.transpose(-2, -1), offs)
+        torch.autograd.grad(out.float().square().mean(), (a, w))
+    assert counter.counts["pad_group_offsets"] == 1 and counter.counts["route_pad"] == 0
+    assert counter.counts["permute_pad_rows"] == fp8_input  # the FP8 rows of a quantized A move as they are
+    assert counter.counts["unpermute_unpad_backward"] == 0
+    assert counter.counts["unpermute_unpad"] == 2  # out and dA
+    assert counter.counts["quantize_1x128"] == (not fp8_input) and counter.counts["quantize_dual_1x128"] == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
 def test_gpu_unaligned_groups_no_sync(recipe):

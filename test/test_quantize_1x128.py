@@ -8,6 +8,7 @@ from conftest import DEVICE
 from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows
 
 from fp8flow_ao._format import FP8_MAX
+from fp8flow_ao.kernels.permute_pad import permute_pad_rows_reference
 from fp8flow_ao.kernels.quantize_1x128 import launch_quantize_1x128, quantize_1x128, quantize_1x128_reference
 
 SHAPES = [(1, 128), (37, 256), (130, 384), (64, 200), (5, 7), (0, 256), (3, 1000)]
@@ -65,15 +66,44 @@ def test_row_stride_is_free():
 @pytest.mark.parametrize("block_k", [128, None])
 def test_op_dispatch_and_compile(block_k):
     x = torch.randn(64, 384, device=DEVICE, dtype=torch.bfloat16)
-    eager = quantize_1x128(x, block_k)
-    compiled = torch.compile(quantize_1x128, fullgraph=True)(x, block_k)
-    assert_fp8_equal(compiled[0], eager[0])
-    assert_scales_equal(compiled[1], eager[1])
+    src_rows = _src_rows(64, 200)
+    for args in ((x, block_k), (x, block_k, src_rows)):
+        eager = quantize_1x128(*args)
+        compiled = torch.compile(quantize_1x128, fullgraph=True)(*args)
+        assert_fp8_equal(compiled[0], eager[0])
+        assert_scales_equal(compiled[1], eager[1])
 
 
 def test_opcheck():
     x = torch.randn(32, 256, device=DEVICE, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.fp8flow.quantize_1x128.default, (x, 128))
+    torch.library.opcheck(torch.ops.fp8flow.quantize_1x128.default, (x, 128, _src_rows(32, 70)))
+
+
+def _src_rows(rows: int, out_rows: int, seed: int = 0) -> torch.Tensor:
+    """A row map of ``out_rows`` entries: every source row once in a shuffled order, the rest -1 (pad)."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.full((out_rows,), -1, dtype=torch.int32)
+    src[torch.randperm(out_rows, generator=gen)[:rows]] = torch.randperm(rows, generator=gen, dtype=torch.int32)
+    return src.to(DEVICE)
+
+
+@pytest.mark.parametrize(("rows", "out_rows", "cols"), [(37, 128, 256), (130, 300, 384), (5, 9, 200), (0, 128, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_k", [128, None])
+def test_src_rows_gathers_as_permute_pad_rows_after_quantize(rows, out_rows, cols, dtype, block_k):
+    """With ``src_rows`` each output row quantizes its source row (non-finite values included) and pad rows
+    are data 0, scale 0: quantize then permute_pad_rows, bit for bit, without the gathered copy."""
+    x = torch.cat([edge_case_rows(cols, "cpu", dtype), torch.randn(rows, cols, dtype=dtype) * 100])[:rows]
+    src_rows = _src_rows(rows, out_rows)
+    data, scale_inv = launch_quantize_1x128(x.to(DEVICE), block_k, src_rows)
+    expected = permute_pad_rows_reference(*quantize_1x128_reference(x, block_k), src_rows.cpu(), 1)
+    assert_fp8_equal(data, expected[0])
+    assert_scales_equal(scale_inv, expected[1])
+    ref_data, ref_scale = quantize_1x128_reference(x, block_k, src_rows.cpu())
+    assert_fp8_equal(ref_data, expected[0])
+    assert_scales_equal(ref_scale, expected[1])
+    assert bool((scale_inv.cpu()[src_rows.cpu() < 0] == 0).all())
 
 
 @pytest.mark.parametrize(
@@ -89,3 +119,22 @@ def test_opcheck():
 def test_bad_input(x, block_k, error, match):
     with pytest.raises(error, match=match):
         quantize_1x128(x, block_k)
+
+
+@pytest.mark.parametrize(
+    ("src_rows", "error", "match"),
+    [
+        (torch.zeros(4, dtype=torch.int64), TypeError, "src_rows must have dtype"),
+        (torch.zeros(2, 2, dtype=torch.int32), ValueError, "src_rows must have 1 dims"),
+        (torch.zeros(8, dtype=torch.int32)[::2], ValueError, "src_rows must be contiguous"),
+    ],
+)
+def test_bad_src_rows(src_rows, error, match):
+    with pytest.raises(error, match=match):
+        quantize_1x128(torch.zeros(4, 128), 128, src_rows)
+
+
+def test_src_rows_out_of_range_with_validation(monkeypatch):
+    monkeypatch.setenv("FP8FLOW_VALIDATE", "1")
+    with pytest.raises(ValueError, match=r"src_rows values must lie in \[-1, 4\)"):
+        quantize_1x128(torch.zeros(4, 128), 128, torch.tensor([0, 4], dtype=torch.int32))

@@ -8,6 +8,7 @@ import torch
 from conftest import DEVICE
 from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows
 
+from fp8flow_ao.kernels.pad_group_offsets import pad_group_offsets_reference
 from fp8flow_ao.kernels.quantize_1x128 import launch_quantize_1x128
 from fp8flow_ao.kernels.quantize_dual_1x128 import (
     DEFAULT_CONFIG,
@@ -17,6 +18,7 @@ from fp8flow_ao.kernels.quantize_dual_1x128 import (
     quantize_dual_1x128_configs,
     quantize_dual_1x128_reference,
 )
+from fp8flow_ao.kernels.unpermute_unpad import take_rows_or_zero
 
 SHAPES = [(128, 128), (256, 384), (384, 256), (0, 256)]
 NAMES = ("row_data", "row_scale", "col_data", "col_scale")
@@ -39,7 +41,7 @@ def _offsets(counts: list[int]) -> torch.Tensor:
 def _check_against_reference(
     g: torch.Tensor, offsets: torch.Tensor | None = None, config: LaunchConfig = DEFAULT_CONFIG
 ) -> tuple[torch.Tensor, ...]:
-    out = launch_quantize_dual_1x128(g, offsets, config)
+    out = launch_quantize_dual_1x128(g, offsets, config=config)
     expected = quantize_dual_1x128_reference(g.cpu(), None if offsets is None else offsets.cpu())
     for name, a, e in zip(NAMES, out, expected, strict=True):
         (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e, name)
@@ -129,6 +131,26 @@ def test_group_end_offsets(counts):
         assert_scales_equal(col_scale[: end // 128], plain[3])
 
 
+@pytest.mark.parametrize("counts", [[5, 0, 200, 1], [0, 0], [128, 130], [300]])
+@pytest.mark.parametrize("extra", [0, 9])
+def test_src_rows_gathers_into_padded_groups(counts, extra):
+    """With ``src_rows`` (fp8_grouped_mm's unaligned groups) the outputs are those of the padded copy of
+    ``g`` (pad rows 0), bit for bit, but for the pad rows' row-wise scales: 0 (the format's pad rows)."""
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = int(offs[-1]) + extra
+    g = _grad((rows, 256), torch.bfloat16)
+    g[:3] = edge_case_rows(256, DEVICE, torch.bfloat16)[: min(3, rows)]
+    src_rows, _, padded_offs = pad_group_offsets_reference(offs, rows)
+    out = launch_quantize_dual_1x128(g, padded_offs.to(DEVICE), src_rows.to(DEVICE))
+    expected = list(quantize_dual_1x128_reference(take_rows_or_zero(g.cpu(), src_rows, 1), padded_offs))
+    expected[1] = torch.where((src_rows >= 0)[:, None], expected[1], 0.0)
+    reference = quantize_dual_1x128_reference(g.cpu(), padded_offs, src_rows)
+    for name, a, r, e in zip(NAMES, out, reference, expected, strict=True):
+        check = assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal
+        check(a, e, name)
+        check(r, e, name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("offsets", [None, "skewed"])
 def test_deepseek_shape_on_gpu(offsets):
@@ -140,10 +162,12 @@ def test_deepseek_shape_on_gpu(offsets):
 def test_op_dispatch_and_compile(with_offsets):
     g = _grad((256, 384), torch.bfloat16)
     offsets = _offsets([100, 0]) if with_offsets else None
-    eager = quantize_dual_1x128(g, offsets)
-    compiled = torch.compile(quantize_dual_1x128, fullgraph=True)(g, offsets)
-    for name, a, e in zip(NAMES, compiled, eager, strict=True):
-        (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e, name)
+    src_rows = torch.arange(-1, 255, dtype=torch.int32, device=DEVICE).flip(0)
+    for args in ((g, offsets), (g, offsets, src_rows)):
+        eager = quantize_dual_1x128(*args)
+        compiled = torch.compile(quantize_dual_1x128, fullgraph=True)(*args)
+        for name, a, e in zip(NAMES, compiled, eager, strict=True):
+            (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e, name)
 
 
 @pytest.mark.parametrize("with_offsets", [False, True])
@@ -151,6 +175,8 @@ def test_opcheck(with_offsets):
     g = _grad((256, 256), torch.bfloat16)
     offsets = _offsets([128, 0]) if with_offsets else None
     torch.library.opcheck(torch.ops.fp8flow.quantize_dual_1x128.default, (g, offsets))
+    src_rows = torch.arange(-28, 100, dtype=torch.int32, device=DEVICE)  # 28 pad rows, then g[:100]
+    torch.library.opcheck(torch.ops.fp8flow.quantize_dual_1x128.default, (g[:100], offsets, src_rows))
 
 
 _OK = torch.zeros(256, 256)
@@ -175,6 +201,19 @@ _OK_OFFSETS = torch.tensor([128, 256], dtype=torch.int32)
 def test_bad_input(g, offsets, error, match):
     with pytest.raises(error, match=match):
         quantize_dual_1x128(g, offsets)
+
+
+@pytest.mark.parametrize(
+    ("src_rows", "error", "match"),
+    [
+        (torch.zeros(128, dtype=torch.int64), TypeError, "src_rows must have dtype"),
+        (torch.zeros(100, dtype=torch.int32), ValueError, r"src_rows length \(M\) must be a multiple of 128"),
+        (torch.zeros(256, dtype=torch.int32)[::2], ValueError, "src_rows must be contiguous"),
+    ],
+)
+def test_bad_src_rows(src_rows, error, match):
+    with pytest.raises(error, match=match):
+        quantize_dual_1x128(torch.zeros(5, 128), None, src_rows)
 
 
 @pytest.mark.parametrize(

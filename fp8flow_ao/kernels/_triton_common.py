@@ -79,3 +79,13 @@ def quantize_tile(w):
     x = w.to(tl.float32)
     scale_inv, scale = pow2_scale_inv_and_scale(tl.max(tl.max(nan_free_abs(x), axis=1), axis=0))
     return (x * scale).to(tl.float8e4nv), scale_inv
+
+
+@triton.jit
+def gathered_rows(src_rows_ptr, rows, row_ok, GATHER: tl.constexpr):
+    """``(read_ok, source rows int64)`` for output ``rows``: themselves; with ``GATHER`` the row map's
+    ``src_rows[rows]``, negative (and past ``row_ok``) for pad rows that read nothing."""
+    if GATHER:
+        src = tl.load(src_rows_ptr + rows, mask=row_ok, other=-1)
+        return src >= 0, src.to(tl.int64)
+    return row_ok, rows.to(tl.int64)

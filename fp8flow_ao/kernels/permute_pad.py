@@ -36,9 +36,9 @@ import triton
 import triton.language as tl
 
 from fp8flow_ao._checks import (
-    check_contiguous,
     check_positive_int,
     check_row_major,
+    check_row_map,
     check_same_device,
     check_shape,
     check_tensor,
@@ -525,14 +525,11 @@ def permute_pad_rows(
         Differentiable in floating-point ``x`` (backward: :func:`unpermute_unpad` without probs).
     """
     _check_rows_input(x, x_scale)
-    check_tensor("src_rows", src_rows, dtypes=torch.int32, ndim=1)
-    check_contiguous("src_rows", src_rows)
     check_positive_int("top_k", top_k)
+    check_row_map("src_rows", src_rows, -1, x.shape[0] * top_k)
     check_same_device(x=x, x_scale=x_scale, src_rows=src_rows)
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
-    if validation_enabled():
-        validate_index_range("src_rows", src_rows, -1, x.shape[0] * top_k)
     op = torch.ops.fp8flow.permute_pad_rows_recompute if recompute else torch.ops.fp8flow.permute_pad_rows
     data, scale = op(x, x_scale, src_rows, top_k)
     return data, (scale if x_scale is not None else None)

@@ -13,6 +13,10 @@ Expert groups: with int32 ``group_end_offsets [E]`` (padded ends, multiples of 1
 past the last offset are padding: never read, written as data 0 and scale 0 in both outputs. The
 last offset is read by the kernel on the device (no host sync). Because every group starts on a
 128-row boundary, no 128-row block of the column-wise output crosses an expert boundary.
+
+``src_rows`` (int32 ``[M_out]``) gathers as it quantizes: output row ``r`` is ``g[src_rows[r]]``, and rows
+with ``src_rows[r] < 0`` are pad rows (read as 0; data 0 and row-wise scale 0): the padded layout of an
+unpadded gradient (``fp8_grouped_mm``'s ``dOut`` on groups it padded) without writing the padded copy.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from fp8flow_ao._checks import (
     check_multiple,
     check_no_grad,
     check_row_major,
+    check_row_map,
     check_same_device,
     check_tensor,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
-from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
+from fp8flow_ao.kernels._triton_common import gathered_rows, nan_ignoring_amax, pow2_scale_inv_and_scale
+from fp8flow_ao.kernels.unpermute_unpad import take_rows_or_zero
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -75,6 +81,7 @@ DEFAULT_CONFIG = quantize_dual_1x128_configs()[0]
 @triton.jit
 def _quantize_dual_1x128_kernel(
     g_ptr,
+    src_rows_ptr,
     row_data_ptr,
     row_scale_ptr,
     col_data_ptr,
@@ -85,11 +92,13 @@ def _quantize_dual_1x128_kernel(
     stride_gm,
     num_groups,
     HAS_OFFSETS: tl.constexpr,
+    GATHER: tl.constexpr,
     TILE: tl.constexpr,
 ):
     """One ``TILE x TILE`` tile per program (N tiles vary fastest): quantized both ways and stored
     with its scales; rows at or past the last group end are padding: masked off (never read) and
-    loaded as 0, so their data is written as +0 and their scales as 0."""
+    loaded as 0, so their data is written as +0 and their scales as 0. ``GATHER``: row ``r`` reads
+    ``g[src_rows[r]]``, and rows with a negative source are pad rows (read as 0, row-wise scale 0)."""
     # The last padded group end, read on the device: rows at or past it are padding.
     end = tl.load(offsets_ptr + num_groups - 1) if HAS_OFFSETS else M
     tile = tl.program_id(0)
@@ -99,7 +108,8 @@ def _quantize_dual_1x128_kernel(
     row_ok = rows < end
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
-    x = tl.load(g_ptr + rows64[:, None] * stride_gm + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    row_ok, src64 = gathered_rows(src_rows_ptr, rows, row_ok, GATHER)
+    x = tl.load(g_ptr + src64[:, None] * stride_gm + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     row_scale_inv, row_scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=1))
     col_scale_inv, col_scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=0))
     row_q = (x * row_scale[:, None]).to(tl.float8e4nv)
@@ -113,8 +123,10 @@ def _quantize_dual_1x128_kernel(
     tl.store(col_scale_ptr + block.to(tl.int64) * N + cols64, tl.where(block_ok, col_scale_inv, 0.0))
 
 
-def _allocate(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    m, n = g.shape
+def _allocate(
+    g: torch.Tensor, src_rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, n = (g.shape[0] if src_rows is None else src_rows.shape[0]), g.shape[1]
     return (
         g.new_empty((m, n), dtype=FP8_DTYPE),
         g.new_empty((m, n // BLOCK), dtype=torch.float32),
@@ -124,14 +136,17 @@ def _allocate(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def launch_quantize_dual_1x128(
-    g: torch.Tensor, group_end_offsets: torch.Tensor | None = None, config: LaunchConfig = DEFAULT_CONFIG
+    g: torch.Tensor,
+    group_end_offsets: torch.Tensor | None = None,
+    src_rows: torch.Tensor | None = None,
+    config: LaunchConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`quantize_dual_1x128`.
 
     Tests pass each of :func:`quantize_dual_1x128_configs` to prove they agree.
     """
-    m, n = g.shape
-    row_data, row_scale, col_data, col_scale = _allocate(g)
+    row_data, row_scale, col_data, col_scale = _allocate(g, src_rows)
+    m, n = row_data.shape
     num_tiles = (m // BLOCK) * (n // BLOCK)
     if num_tiles == 0:
         return row_data, row_scale, col_data, col_scale
@@ -140,6 +155,7 @@ def launch_quantize_dual_1x128(
         _quantize_dual_1x128_kernel,
         (num_tiles,),
         g,
+        g if src_rows is None else src_rows,  # unread without GATHER
         row_data,
         row_scale,
         col_data,
@@ -150,6 +166,7 @@ def launch_quantize_dual_1x128(
         g.stride(0),
         group_end_offsets.shape[0] if has_offsets else 0,
         HAS_OFFSETS=has_offsets,
+        GATHER=src_rows is not None,
         TILE=BLOCK,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,
@@ -158,15 +175,20 @@ def launch_quantize_dual_1x128(
 
 
 def quantize_dual_1x128_reference(
-    g: torch.Tensor, group_end_offsets: torch.Tensor | None = None
+    g: torch.Tensor, group_end_offsets: torch.Tensor | None = None, src_rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch reference (the oracle and the CPU path): row-wise blocks of ``g`` and of ``g.T``, with
-    rows at or past the last group end zeroed (data 0, scale 0). Reads the offsets on the device."""
+    """Torch reference (the oracle and the CPU path): row-wise blocks of ``g`` (gathered by ``src_rows``,
+    0 on pad rows) and of ``g.T``, with rows at or past the last group end zeroed (data 0, scale 0) and
+    the pad rows' row-wise scales 0. Reads the offsets on the device."""
+    if src_rows is not None:
+        g = take_rows_or_zero(g, src_rows, 1)
     m = g.shape[0]
     end = group_end_offsets[-1] if group_end_offsets is not None else m
     row_ok = torch.arange(m, device=g.device) < end
     block_ok = torch.arange(0, m, BLOCK, device=g.device) < end
     g = torch.where(row_ok[:, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+    if src_rows is not None:
+        row_ok &= src_rows >= 0
     row_data, row_scale = quantize_rows_reference(g, BLOCK)
     col_data, col_scale_t = quantize_rows_reference(g.t(), BLOCK)
     row_scale = torch.where(row_ok[:, None], row_scale, 0.0)
@@ -176,9 +198,9 @@ def quantize_dual_1x128_reference(
 
 @define_op("quantize_dual_1x128")
 def _quantize_dual_1x128_op(
-    g: torch.Tensor, group_end_offsets: torch.Tensor | None
+    g: torch.Tensor, group_end_offsets: torch.Tensor | None, src_rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_dual_1x128_reference(g, group_end_offsets)
+    return quantize_dual_1x128_reference(g, group_end_offsets, src_rows)
 
 
 _quantize_dual_1x128_op.register_kernel("cuda")(launch_quantize_dual_1x128)
@@ -186,13 +208,13 @@ _quantize_dual_1x128_op.register_kernel("cuda")(launch_quantize_dual_1x128)
 
 @_quantize_dual_1x128_op.register_fake
 def _(
-    g: torch.Tensor, group_end_offsets: torch.Tensor | None
+    g: torch.Tensor, group_end_offsets: torch.Tensor | None, src_rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _allocate(g)
+    return _allocate(g, src_rows)
 
 
 def quantize_dual_1x128(
-    g: torch.Tensor, group_end_offsets: torch.Tensor | None = None
+    g: torch.Tensor, group_end_offsets: torch.Tensor | None = None, src_rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``g`` to E4M3 row-wise (1 x 128 blocks) and column-wise (128 x 1 blocks) in one read.
 
@@ -202,6 +224,10 @@ def quantize_dual_1x128(
         group_end_offsets: optional int32 ``[E]`` padded group end offsets (non-decreasing, multiples
             of 128, last <= M), on ``g``'s device. Rows at or past the last one are not read; their
             outputs are data 0 and scale 0. Values are checked only with ``FP8FLOW_VALIDATE=1``.
+        src_rows: optional int32 ``[M_out]`` contiguous row map on ``g``'s device (``M_out`` a multiple of
+            128; the offsets then index the ``M_out`` rows): row ``r`` of the outputs is ``g[src_rows[r]]``,
+            a pad row (read as 0, row-wise scale 0) where ``src_rows[r] < 0``. Values below ``g``'s row
+            count (checked only with ``FP8FLOW_VALIDATE=1``). ``g``'s own row count is then free.
 
     Returns:
         ``(row_data, row_scale, col_data, col_scale)``, all contiguous:
@@ -215,12 +241,19 @@ def quantize_dual_1x128(
     """
     check_tensor("g", g, dtypes=_INPUT_DTYPES, ndim=2)
     check_row_major("g", g)
-    check_multiple("g", g.shape[0], what="dim M (0)")
     check_multiple("g", g.shape[1], what="dim N (1)")
+    if src_rows is None:
+        check_multiple("g", g.shape[0], what="dim M (0)")
+        rows = g.shape[0]
+    else:
+        check_row_map("src_rows", src_rows, -1, g.shape[0])
+        check_multiple("src_rows", src_rows.shape[0], what="length (M)")
+        check_same_device(g=g, src_rows=src_rows)
+        rows = src_rows.shape[0]
     if group_end_offsets is not None:
-        check_group_end_offsets("group_end_offsets", group_end_offsets, rows=g.shape[0])
+        check_group_end_offsets("group_end_offsets", group_end_offsets, rows=rows)
         if group_end_offsets.shape[0] == 0:
             raise ValueError("group_end_offsets must hold at least one group, got shape (0,)")
         check_same_device(g=g, group_end_offsets=group_end_offsets)
     check_no_grad("quantize_dual_1x128", g)
-    return torch.ops.fp8flow.quantize_dual_1x128(g, group_end_offsets)
+    return torch.ops.fp8flow.quantize_dual_1x128(g, group_end_offsets, src_rows)

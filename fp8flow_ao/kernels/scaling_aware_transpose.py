@@ -35,6 +35,7 @@ from fp8flow_ao._checks import (
     check_group_end_offsets,
     check_multiple,
     check_no_grad,
+    check_row_map,
     check_same_device,
     check_shape,
     check_tensor,
@@ -450,8 +451,7 @@ def scaling_aware_transpose(
         check_multiple("data", rows, what="rows (M)")
         m = rows
     else:
-        check_tensor("src_rows", src_rows, dtypes=torch.int32, ndim=1)
-        check_contiguous("src_rows", src_rows)
+        check_row_map("src_rows", src_rows)
         m = src_rows.shape[0]
         check_multiple("src_rows", m, what="length (M)")
         if not isinstance(top_k, int) or top_k < 1:

@@ -26,6 +26,7 @@ from fp8flow_ao._checks import (
     check_no_grad,
     check_positive_int,
     check_row_major,
+    check_row_map,
     check_same_device,
     check_shape,
     check_tensor,
@@ -337,11 +338,6 @@ def _backward(ctx, grad_out: torch.Tensor):
 _unpermute_unpad_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_row_map(name: str, rows: torch.Tensor) -> None:
-    check_tensor(name, rows, dtypes=torch.int32, ndim=1)
-    check_contiguous(name, rows)
-
-
 def _check_probs(probs: torch.Tensor | None, num_tokens: int, top_k: int) -> None:
     if probs is not None:
         check_tensor("probs", probs, dtypes=_PROBS_DTYPES, ndim=2)
@@ -371,7 +367,7 @@ def unpermute_unpad(
     """
     check_tensor("y", y, dtypes=_DTYPES, ndim=2)
     check_row_major("y", y)
-    _check_row_map("dst_rows", dst_rows)
+    check_row_map("dst_rows", dst_rows)
     check_positive_int("top_k", top_k)
     if dst_rows.numel() % top_k:
         raise ValueError(f"dst_rows length {dst_rows.numel()} must be a multiple of top_k={top_k}")
@@ -409,8 +405,8 @@ def unpermute_unpad_backward(
     """
     check_tensor("grad_out", grad_out, dtypes=_DTYPES, ndim=2)
     check_row_major("grad_out", grad_out)
-    _check_row_map("src_rows", src_rows)
-    _check_row_map("dst_rows", dst_rows)
+    check_row_map("src_rows", src_rows)
+    check_row_map("dst_rows", dst_rows)
     check_positive_int("top_k", top_k)
     num_tokens, cols = grad_out.shape
     check_shape("dst_rows", dst_rows, (num_tokens * top_k,))
