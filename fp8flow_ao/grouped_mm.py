@@ -451,7 +451,8 @@ def fp8_grouped_mm(
         out_dtype: output dtype (bf16).
         offs_aligned: the caller's promise that every offset and ``M`` are multiples of 128 (the
             FP8-Flow layout): the GEMMs run on ``a`` as it is. ``False`` (default): any offsets;
-            the op pads the groups to 128 rows on the device (three row gathers more, no sync).
+            the op pads the groups to 128 rows on the device, no sync (one launch for the row maps; the
+            quantizers read ``A`` and ``dOut`` into the padded layout; out and ``dA`` are gathered back).
 
     Returns:
         ``[M, N]`` ``out_dtype``. Gradients flow to ``a`` (its dtype) and ``b_t`` (its dtype,
