@@ -331,18 +331,19 @@ class _Float8GroupedMM(torch.autograd.Function):
         return grad_a, grad_b_t, None, None, None, None, None, None, None, None, None
 
 
-def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool) -> bool:
+def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool, dgrad: bool) -> bool:
     """Whether the blockwise forward GEMM over ``rows`` (unpadded) rows takes ``W`` as it is and quantizes
     it as it loads it: few rows per group (``quantize_in_gemm_pays``; ``aligned``: the caller's groups are
-    128-aligned, else the op pads each one) and ``W`` the caller's own contiguous tensor, not a copy (``B_t``
-    a transposed view of it); not FSDP2's FP8 all-gathered tiles."""
+    128-aligned, else the op pads each one; more rows where no ``dgrad`` will read tiles it keeps) and ``W``
+    the caller's own contiguous tensor, not a copy (``B_t`` a transposed view of it); not FSDP2's FP8
+    all-gathered tiles."""
     from fp8flow_ao.tensor import Float8BlockwiseWeight
 
     return (
         recipe == "blockwise"
         and not isinstance(b_t, Float8BlockwiseWeight)
         and b_t.transpose(-2, -1).is_contiguous()  # W is B_t's own storage (_weight_from_b_t copied nothing)
-        and quantize_in_gemm_pays(rows, b_t.shape[0], b_t.dtype, aligned)
+        and quantize_in_gemm_pays(rows, b_t.shape[0], b_t.dtype, aligned, forward_only=not dgrad)
     )
 
 
@@ -462,9 +463,9 @@ def fp8_grouped_mm(
     """
     _check_args(a, b_t, offs, recipe, out_dtype, offs_aligned)
     grad_leaf = _grad_leaf(b_t) if recipe == "blockwise" else None
-    w_in_gemm = _quantize_w_in_gemm(a.shape[0], b_t, recipe, offs_aligned)
     # Whether a backward will ask for dA: else the forward writes no transposed FP8 weight (inference, no_grad).
     dgrad = torch.is_grad_enabled() and a.requires_grad
+    w_in_gemm = _quantize_w_in_gemm(a.shape[0], b_t, recipe, offs_aligned, dgrad)
     # Whether the dgrad reads a transposed FP8 copy rather than transposing W's tiles in its GEMM.
     w_t_copy = not w_in_gemm and not transpose_in_gemm_pays(a.shape[0], b_t.shape[0], offs_aligned)
     args = (recipe, out_dtype, grad_leaf, w_in_gemm, dgrad, w_t_copy)

@@ -135,5 +135,6 @@ def weight_quantization(request: pytest.FixtureRequest, monkeypatch: pytest.Monk
         request.param
     ]
     monkeypatch.setattr(grouped_gemm_fp8_blockwise, "IN_GEMM_MAX_ROWS_PER_EXPERT", quantize)
+    monkeypatch.setattr(grouped_gemm_fp8_blockwise, "FORWARD_IN_GEMM_MAX_ROWS_PER_EXPERT", quantize)
     monkeypatch.setattr(grouped_gemm_fp8_blockwise, "TRANSPOSE_IN_GEMM_MAX_ROWS_PER_EXPERT", transpose)
     return request.param

@@ -385,6 +385,19 @@ def test_no_grad_forward_writes_no_transposed_weight():
     assert torch.equal(out, with_grad.detach())
 
 
+def test_forward_only_quantizes_in_the_gemm_up_to_256_rows_per_expert():
+    """Two M tiles per expert: a training forward quantizes the weight apart (its tiles feed the dgrad), a
+    forward with no dgrad to come quantizes it in the GEMM (FORWARD_IN_GEMM_MAX_ROWS_PER_EXPERT); same bits."""
+    a, w, offs = _inputs([256, 512, 768, 1024], m=1024)
+    with FP8FlowOpCounter() as training:
+        with_grad = fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=True)
+    with torch.no_grad(), FP8FlowOpCounter() as inference:
+        out = fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=True)
+    assert training.counts["quantize_128x128"] == 1 and training.counts[QUANTIZING_GEMMS] == 0
+    assert inference.counts["quantize_128x128"] == 0 and inference.counts[QUANTIZING_GEMMS] == 1
+    assert torch.equal(out, with_grad.detach())
+
+
 def _loss(a, b_t, offs):
     return fp8_grouped_mm(a, b_t, offs, offs_aligned=True).float().square().mean()
 

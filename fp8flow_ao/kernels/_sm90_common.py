@@ -106,15 +106,16 @@ def sm90_mma(a_bufs, b_bufs, s, layout: gl.constexpr, WG: gl.constexpr, HALF: gl
 
 
 @gluon.jit
-def sm90_ring_barriers(STAGES: gl.constexpr):
-    """The ring's mbarriers, initialized: ``ready`` (TMA bytes landed), ``empty`` (both consumers
-    released the slot: count 2) and ``turn`` (consumer 0 issued the slot's first MMA)."""
+def sm90_ring_barriers(STAGES: gl.constexpr, RELEASERS: gl.constexpr):
+    """The ring's mbarriers, initialized: ``ready`` (TMA bytes landed), ``empty`` (the slot released by
+    ``RELEASERS`` partitions: both consumers, and a partition whose TMA store reads the slot) and ``turn``
+    (consumer 0 issued the slot's first MMA)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=RELEASERS)
         mbarrier.init(turn.index(i), count=1)
     return ready, empty, turn
 

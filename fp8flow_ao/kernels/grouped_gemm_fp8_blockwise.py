@@ -118,20 +118,34 @@ HP_B_DTYPES = (torch.bfloat16, torch.float32)
 # forward keeping its tiles for the dgrad (keep_b), against quantize_128x128 first (H200, 2026-11-24, device
 # time, .scratch probe): 893 vs 950 us at E=128, 128 rows per expert, K=2048 N=1536; 493 vs 528 at K=768
 # N=2048; but 6424 vs 5392 at E=64 with 256 rows per expert, and 1535 vs 1480 on unaligned groups of 128
-# rows per expert on average (207 padded): the same threshold holds with the kept tiles.
+# rows per expert on average (207 padded): the same threshold holds with the kept tiles. Releasing a kept
+# tile's slot one tile later instead of waiting for its store before the consumers (same probe, later run):
+# 886 vs 954 and 500 vs 531 (unchanged: the forward is bound by the weight bytes it reads and writes), 2972
+# vs 2803 at E=64 K=2048 N=7168 with 256 rows per expert (was 3298 vs 2793) and 1361 vs 1314 unaligned (was
+# 1535 vs 1480): closer where experts have two M tiles, still behind.
 IN_GEMM_MAX_ROWS_PER_EXPERT = 128
+# The same for a forward with no dgrad to come (no_grad, or an input without a gradient): nothing kept, so
+# the quantizing forward alone against quantize_128x128 + the FP8 forward (H200, 2026-11-24, device time,
+# .scratch probe of fp8_grouped_mm under no_grad): at 256 rows per expert 2146 vs 2250 us (E=64 K=7168
+# N=4096), 1063 vs 1125 (E=64 K=2048 N=7168), 1289 vs 1366 (E=128 skewed, K=4096 N=2048); unaligned groups
+# of 128 rows per expert on average 430 vs 546; at 512 rows 270 vs 202 and at 1024 2213 vs 1366.
+FORWARD_IN_GEMM_MAX_ROWS_PER_EXPERT = 256
 
 
-def quantize_in_gemm_pays(rows: int, experts: int, w_dtype: torch.dtype, aligned: bool) -> bool:
+def quantize_in_gemm_pays(
+    rows: int, experts: int, w_dtype: torch.dtype, aligned: bool, forward_only: bool = False
+) -> bool:
     """Whether grouped GEMMs over ``rows`` real rows (not the padded bound) of ``experts`` experts are faster
     given their ``w_dtype`` weight to quantize tile by tile as they load it (``b`` high precision) than given
     ``quantize_128x128``'s tiles made before them. Both give the same bits; the in-kernel path skips the
     separate pass over the weight but quantizes each weight tile once per 128-row M tile, so it wins where
     experts have about one M tile each: at most :data:`IN_GEMM_MAX_ROWS_PER_EXPERT` rows per expert on
     average when the groups are 128-aligned (``aligned``), half that when each group is padded to 128 rows
-    on its own (routed tokens); bf16 weights only (fp32 ones fit 2 ring stages). Static shapes only: no
-    host sync."""
-    return w_dtype == torch.bfloat16 and _at_most_rows_per_expert(rows, experts, aligned, IN_GEMM_MAX_ROWS_PER_EXPERT)
+    on its own (routed tokens); ``forward_only`` (a forward whose weight no dgrad will read: neither kept
+    tiles nor a transposed copy to write) up to :data:`FORWARD_IN_GEMM_MAX_ROWS_PER_EXPERT`. bf16 weights only
+    (fp32 ones fit 2 ring stages). Static shapes only: no host sync."""
+    per_expert = FORWARD_IN_GEMM_MAX_ROWS_PER_EXPERT if forward_only else IN_GEMM_MAX_ROWS_PER_EXPERT
+    return w_dtype == torch.bfloat16 and _at_most_rows_per_expert(rows, experts, aligned, per_expert)
 
 
 # Rows per expert (on average, 128-aligned groups) up to which a dgrad reads the forward's FP8 weight tiles
@@ -466,6 +480,24 @@ def _sm90_kept_tile(
 
 
 @gluon.jit
+def _sm90_release_kept_slot(empty, s, pending, keep):
+    """The quantizer's release of ring slots under ``KEEP_B`` (its ``empty`` arrival, one per slot use):
+    slot ``s`` at once when no kept tile's store reads it, else one tile later; the previous slot
+    (``pending``) once its store has read it (stores complete in order: with this tile's own store issued,
+    all but the newest are done). Returns the slot now pending, or -1."""
+    if pending >= 0:
+        if keep:
+            tma.store_wait(1)
+        else:
+            tma.store_wait(0)
+        mbarrier.arrive(empty.index(pending), count=1)
+    if keep:
+        return s
+    mbarrier.arrive(empty.index(s), count=1)
+    return -1
+
+
+@gluon.jit
 def _sm90_prepare_b(
     QUANTIZE_B: gl.constexpr,
     TRANSPOSE_B: gl.constexpr,
@@ -484,10 +516,12 @@ def _sm90_prepare_b(
     """``WARPS`` warps that turn each landed 128x128 weight tile into the consumers' E4M3 B tile, then
     release them on ``bready``. ``prepared = (b_bufs, q_scales, bready)``.
 
-    ``kept = (kept_desc, kept_scale_ptr)``: with ``KEEP_B`` (forward quantizing only) the first M tile of each expert's group also stores its E4M3 tiles and scales to global memory
-    (``kept_desc`` over ``[E * N, K]``, scales ``[E, N/128, K/128]``): ``quantize_128x128``'s output for
-    every expert with rows, from the pass that reads the weight anyway. The store is waited for (its reads
-    of the slot) before the consumers are released, so the producer cannot refill the slot under it.
+    ``kept = (kept_desc, kept_scale_ptr, empty)``: with ``KEEP_B`` (forward quantizing only) the first M tile
+    of each expert's group also stores its E4M3 tiles and scales to global memory (``kept_desc`` over
+    ``[E * N, K]``, scales ``[E, N/128, K/128]``): ``quantize_128x128``'s output for every expert with rows,
+    from the pass that reads the weight anyway. The consumers are released at once; the slot goes back to
+    the producer (``empty``, a third arrival) only once the store has read it, waited for one tile later, so
+    the store runs under the next tile's quantization instead of in front of the consumers.
 
     ``QUANTIZE_B`` (high-precision weight): E4M3 with one power-of-two scale, as ``quantize_128x128``
     computes it, written (transposed with ``TRANSPOSE_B``) over the first bytes of its own staging slot
@@ -503,7 +537,7 @@ def _sm90_prepare_b(
     and tile (152 SASS instructions in all; the other layouts tried take 144-480 with more conflicts)."""
     b_bufs, q_scales, bready = prepared
     ends_ptr, M, N, K, E = problem
-    kept_desc, kept_scale_ptr = kept
+    kept_desc, kept_scale_ptr, empty = kept
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     if not QUANTIZE_B:
         layout: gl.constexpr = gl.BlockedLayout([16, 4], [1, 32], [WARPS, 1], [1, 0])
@@ -517,6 +551,7 @@ def _sm90_prepare_b(
     tiles = gl.cdiv(gl.maximum(live_m * num_n - gl.program_id(0), 0), gl.num_programs(0))
     # PARTS partitions take the slots in turn (this one: slots PART, PART + PARTS, ...), so one's loads
     # and permutes run while another waits on its stores and fence.
+    pending = -1  # KEEP_B: the slot whose kept tile's store may still be reading it
     for it in range(PART, tiles * (K // SM90_BLOCK), PARTS):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -542,8 +577,14 @@ def _sm90_prepare_b(
                 tma_store(kept_desc, [row, col], b_bufs.index(s).slice(0, SM90_BLOCK))
                 one = gl.zeros([1], gl.int32, scale_layout)
                 gl.store(kept_scale_ptr + at + one, scale_inv + one.to(gl.float32))
-                tma.store_wait(0)
-        mbarrier.arrive(bready.index(s), count=1)
+            mbarrier.arrive(bready.index(s), count=1)
+            pending = _sm90_release_kept_slot(empty, s, pending, keep)
+        else:
+            mbarrier.arrive(bready.index(s), count=1)
+    if KEEP_B:  # noqa: SIM102 (the constexpr test first: Gluon folds it, the runtime one stays a branch)
+        if pending >= 0:
+            tma.store_wait(0)
+            mbarrier.arrive(empty.index(pending), count=1)
 
 
 @gluon.jit
@@ -686,13 +727,14 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-    ready, empty, turn = sm90_ring_barriers(STAGES)
+    # With KEEP_B the quantizer releases each slot too, once its kept tile's TMA store has read it.
+    ready, empty, turn = sm90_ring_barriers(STAGES, 3 if KEEP_B else 2)
     ring = (a_bufs, b_bufs, ready, empty, turn)
     problem = (ends_ptr, M, N, K, E)
     scales = (a_scale_ptr, stride_as, b_scale_ptr)
     out = (out_desc, out_bufs)
     b_descs = (b_desc, tail_desc, N_HEAD, N_TAIL)
-    kept = (kept_desc, kept_scale_ptr)
+    kept = (kept_desc, kept_scale_ptr, empty)
     if not QUANTIZE_B and not TRANSPOSE_B:
         gl.warp_specialize(
             [

@@ -418,7 +418,7 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
     sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
     out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-    ready, empty, turn = sm90_ring_barriers(STAGES)
+    ready, empty, turn = sm90_ring_barriers(STAGES, 2)
     ring = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn)
     problem = (ends_ptr, M, N, K, E)
     out = (out_desc, out_bufs, out_ptr, N_CHUNK)
