@@ -122,7 +122,9 @@ HP_B_DTYPES = (torch.bfloat16, torch.float32)
 # tile's slot one tile later instead of waiting for its store before the consumers (same probe, later run):
 # 886 vs 954 and 500 vs 531 (unchanged: the forward is bound by the weight bytes it reads and writes), 2972
 # vs 2803 at E=64 K=2048 N=7168 with 256 rows per expert (was 3298 vs 2793) and 1361 vs 1314 unaligned (was
-# 1535 vs 1480): closer where experts have two M tiles, still behind.
+# 1535 vs 1480): closer where experts have two M tiles, still behind. With the tile's expert found once per
+# tile instead of once per K block: 887 vs 950, 497 vs 526, unaligned 1299 vs 1315 (a tie within run-to-run
+# spread, so the rule still leaves unaligned groups to quantize_128x128 at 128 rows per expert).
 IN_GEMM_MAX_ROWS_PER_EXPERT = 128
 # The same for a forward with no dgrad to come (no_grad, or an input without a gradient): nothing kept, so
 # the quantizing forward alone against quantize_128x128 + the FP8 forward (H200, 2026-11-24, device time,
@@ -463,20 +465,15 @@ def _sm90_producer(
 
 
 @gluon.jit
-def _sm90_kept_tile(
-    ends_ptr, it, k_blocks, live_m, num_n, E, GROUP_M: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr
-):
-    """``(keep, row, col, scale_index)`` for the preparer's ring slot ``it`` (the producer's order): whether
-    this M tile is the first of its expert's group (the one M tile that writes the expert's FP8 tiles out),
-    the tile's place in ``W``'s FP8 tiles ``[E * N, K]`` and its scale's index in ``[E, N/128, K/128]``."""
-    tile = gl.program_id(0) + (it // k_blocks) * gl.num_programs(0)
-    kb = it % k_blocks
-    pid_m, pid_n = grouped_tile(tile, live_m, num_n, GROUP_M)
+def _sm90_kept_tile(ends_ptr, tile, live_m, num_n, E, GROUP_M: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """``(keep, tile_index)`` for this program's ``tile``-th live tile (the producer's order): whether its M
+    tile is the first of its expert's group (the one M tile that writes the expert's FP8 tiles out), and
+    the index of its weight tile row ``e * N/128 + n / 128`` in ``W``'s FP8 tiles."""
+    pid_m, pid_n = grouped_tile(gl.program_id(0) + tile * gl.num_programs(0), live_m, num_n, GROUP_M)
     m0 = pid_m * SM90_BLOCK
     e = _sm90_expert_of_row(ends_ptr, m0, E, E_POW2, WARPS)
     start = gl.load(ends_ptr + gl.maximum(e - 1, 0))
-    keep = m0 == gl.where(e > 0, start, 0)
-    return keep, (e * num_n + pid_n) * SM90_BLOCK, kb * SM90_BLOCK, (e * num_n + pid_n) * k_blocks + kb
+    return m0 == gl.where(e > 0, start, 0), e * num_n + pid_n
 
 
 @gluon.jit
@@ -551,8 +548,11 @@ def _sm90_prepare_b(
     tiles = gl.cdiv(gl.maximum(live_m * num_n - gl.program_id(0), 0), gl.num_programs(0))
     # PARTS partitions take the slots in turn (this one: slots PART, PART + PARTS, ...), so one's loads
     # and permutes run while another waits on its stores and fence.
+    k_blocks = K // SM90_BLOCK
     pending = -1  # KEEP_B: the slot whose kept tile's store may still be reading it
-    for it in range(PART, tiles * (K // SM90_BLOCK), PARTS):
+    keep = gl.program_id(0) < 0  # KEEP_B: this tile's, found once per tile (at its first K block)
+    kept_tile = gl.program_id(0) * 0
+    for it in range(PART, tiles * k_blocks, PARTS):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         q = w_bufs.index(s).load(layout)
@@ -571,12 +571,13 @@ def _sm90_prepare_b(
         b_bufs.index(s).slice(0, SM90_BLOCK).store(q)
         fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads them
         if KEEP_B:
-            k_blocks = K // SM90_BLOCK
-            keep, row, col, at = _sm90_kept_tile(ends_ptr, it, k_blocks, live_m, num_n, E, GROUP_M, E_POW2, WARPS)
+            kb = it % k_blocks
+            if kb == 0:
+                keep, kept_tile = _sm90_kept_tile(ends_ptr, it // k_blocks, live_m, num_n, E, GROUP_M, E_POW2, WARPS)
             if keep:
-                tma_store(kept_desc, [row, col], b_bufs.index(s).slice(0, SM90_BLOCK))
+                tma_store(kept_desc, [kept_tile * SM90_BLOCK, kb * SM90_BLOCK], b_bufs.index(s).slice(0, SM90_BLOCK))
                 one = gl.zeros([1], gl.int32, scale_layout)
-                gl.store(kept_scale_ptr + at + one, scale_inv + one.to(gl.float32))
+                gl.store(kept_scale_ptr + kept_tile * k_blocks + kb + one, scale_inv + one.to(gl.float32))
             mbarrier.arrive(bready.index(s), count=1)
             pending = _sm90_release_kept_slot(empty, s, pending, keep)
         else:
