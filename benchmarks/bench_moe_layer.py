@@ -20,8 +20,15 @@ Variants, each ``torch.compile``-d (default mode, graph breaks allowed so every 
   forward is swapped here;
 * ``fp8flow`` / ``fp8flow_recompute``: ``quantize_(layer, FP8FlowConfig(recompute_experts=...))``;
 * ``fp8flow_wt_forward``: ``FP8FlowConfig(weight_cache="forward")``: the forward writes the weights'
-  exact transposes in the same pass and keeps them for backward (memory for speed; compiled,
-  ``weight_cache="step"`` runs as this);
+  exact transposes in the same pass and keeps them for backward (memory for speed; where the block's
+  compile traces the experts, ``weight_cache="step"`` runs as this);
+* ``fp8flow_wt_step``: ``FP8FlowConfig(weight_cache="step")`` with the experts run as torchtitan runs them
+  (its ``apply_compile`` leaves the ``experts`` module out of the block's graph, here a graph break at the
+  experts' ``forward``, and the converter compiles the routed path itself, ``fp8flow_compile_backend``):
+  the weights are unchanged between timed steps, so this is a gradient-accumulation micro-batch after the
+  first of a step -- the FP8 weights come from the cache (``weight_cache_mib``: the bytes it holds,
+  outside ``act_mem`` and ``peak_mem``); the first micro-batch after an optimizer step costs about what
+  ``fp8flow_wt_forward`` does;
 * ``fp8flow_bf16_fc1_dgrad``: ``FP8FlowConfig(backward="bf16_fc1_dgrad")``: FC1's dgrad in BF16 (the
   loss-gap fix of ``convergence.md``), what it costs.
 
@@ -88,11 +95,13 @@ VARIANTS = (
     "fp8flow",
     "fp8flow_recompute",
     "fp8flow_wt_forward",
+    "fp8flow_wt_step",
     "fp8flow_bf16_fc1_dgrad",
     "torchao_rowwise",
     "torchao_blockwise",
 )
-OURS = ("fp8flow", "fp8flow_recompute", "fp8flow_wt_forward", "fp8flow_bf16_fc1_dgrad")
+OURS = ("fp8flow", "fp8flow_recompute", "fp8flow_wt_forward", "fp8flow_wt_step", "fp8flow_bf16_fc1_dgrad")
+WEIGHT_CACHE = {"fp8flow_wt_forward": "forward", "fp8flow_wt_step": "step"}
 BASELINES = {
     "bf16": "BF16 torchtitan MoE (torch.compile)",
     "torchao_rowwise": "torchao 0.18 FP8 row-wise MoE (torch.compile)",
@@ -209,10 +218,14 @@ def convert(block: Block, variant: str) -> Block:
             block,
             FP8FlowConfig(
                 recompute_experts=variant == "fp8flow_recompute",
-                weight_cache="forward" if variant == "fp8flow_wt_forward" else "off",
+                weight_cache=WEIGHT_CACHE.get(variant, "off"),
                 backward="bf16_fc1_dgrad" if variant == "fp8flow_bf16_fc1_dgrad" else "fp8",
             ),
         )
+        if variant == "fp8flow_wt_step":  # as the torchtitan converter runs it (module docstring)
+            experts = block.moe.experts
+            experts.fp8flow_compile_backend = "inductor"
+            experts.forward = torch.compiler.disable(experts.forward)
     return block
 
 
@@ -257,6 +270,7 @@ def make_inputs(tokens: int, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]
 class Measured:
     reps_us: list[float]  # one median per repetition
     act_mib: float  # held for backward: allocated after forward - before - the output
+    weight_cache_mib: float  # held across steps by weight_cache="step" (allocated before, in neither figure)
     peak_mib: float  # forward + backward peak above the state before the forward
 
     @property
@@ -288,7 +302,9 @@ def measure(block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], r
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     del out
-    return Measured(reps_us, held / 2**20, peak / 2**20)
+    from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE
+
+    return Measured(reps_us, held / 2**20, EXPERT_WEIGHT_CACHE.nbytes() / 2**20, peak / 2**20)
 
 
 def _gemm_label(name: str, shapes: list, shape: MoEShape) -> str:
@@ -469,6 +485,9 @@ def prepare(name: str) -> Case:
 
 def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> list[dict]:
     """Compile ``variant`` of ``case`` once, measure it under every routing; FP8-Flow's stage rows."""
+    from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE
+
+    EXPERT_WEIGHT_CACHE.invalidate()  # weight_cache_mib: this variant's entries only
     block = convert(case.base, variant)
     install_routing(block, case.fixed)
     compiled = torch.compile(block)
@@ -567,6 +586,7 @@ def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str
                 ours.us, label, base.us, flops=flops,
                 ours_ms=round(ours.us / 1e3, 3), baseline_ms=round(base.us / 1e3, 3),
                 act_mem_mib=round(ours.act_mib, 1), baseline_act_mem_mib=round(base.act_mib, 1),
+                weight_cache_mib=round(ours.weight_cache_mib, 1),
                 peak_mem_mib=round(ours.peak_mib, 1), baseline_peak_mem_mib=round(base.peak_mib, 1),
                 baseline_tflops=round(flops / base.us / 1e6, 1),
                 repeats=len(ours.reps_us), ours_us_min=round(min(ours.reps_us), 2),
@@ -626,8 +646,8 @@ def main() -> None:
         f"ours_us/baseline_us: median over {args.repeats} repetitions of the median forward + backward "
         "(torch.compile, bf16 params), spread = (max - min) / median of the repetitions; act_mem: memory held "
         "for backward after the forward (output excluded; FP8-Flow keeps no weight copies: it re-quantizes the "
-        "weights' transposes in backward, except fp8flow_wt_forward, which keeps the forward's); "
-        "tflops at 18*T*k*D*H."
+        "weights' transposes in backward, except fp8flow_wt_forward, which keeps the forward's, and "
+        "fp8flow_wt_step, which takes both from its cache: weight_cache_mib, held across steps); tflops at 18*T*k*D*H."
     )
     # A subset of the cases gets its own files, so running the cases one at a time keeps both.
     name = "moe_layer" if set(args.cases) == set(CASES) else "moe_layer_" + "_".join(sorted(args.cases))

@@ -66,11 +66,14 @@ from fp8flow_ao.kernels.swiglu_quant import (
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 from fp8flow_ao.parallel.expert_parallel import combine, combine_probs_grad, dispatch, plan_dispatch
 from fp8flow_ao.weight_cache import (
+    NOTHING,
+    ExpertWeightsFP8,
     ExpertWeightsHP,
     WeightOperand,
     check_weight_cache_mode,
     kept_for_backward,
     split_kept,
+    step_cached_weights,
     weights_for_backward,
     weights_for_forward,
 )
@@ -129,7 +132,9 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
 
     @staticmethod
     @_autocast_off
-    def forward(ctx, x, probs, expert_indices, w1, w2, w3, recompute, weight_cache, ep_group, score_before, backward):
+    def forward(
+        ctx, x, probs, expert_indices, w1, w2, w3, recompute, weight_cache, ep_group, score_before, backward, *cached
+    ):
         num_experts, top_k = w1.shape[0], expert_indices.shape[1]  # local experts under EP
         # Cast 1 of 2: x [T, D] -> 1x128 FP8 row-wise, before dispatch; everything after stays FP8.
         x_data, x_scale = quantize_1x128(x)
@@ -145,8 +150,10 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         offs = routed.group_end_offsets
         # Weights: 128x128 tiles, made by the GEMMs themselves as they load the weights where experts have
         # few rows; else by quantize_128x128, with weight_cache "forward"/"step" also the dgrads' exact
-        # transposes, kept for backward (memory for speed: weight_cache.py).
-        qw = weights_for_forward(w1, w2, w3, weight_cache, rows.shape[0] * rows_k)
+        # transposes, kept for backward (memory for speed: weight_cache.py); "step"'s from its cache (``cached``).
+        qw = weights_for_forward(
+            w1, w2, w3, weight_cache, rows.shape[0] * rows_k, ExpertWeightsFP8(*cached) if cached else NOTHING
+        )
         h, a_data, a_scale = _fc1_swiglu(routed.data, routed.scale_inv, qw.fc1(), routed.probs, offs, score_before)
         y = _expert_gemm(a_data, a_scale, qw.fc2(), offs)
         out = unpermute_unpad(y, routed.dst_rows, rows_k)
@@ -205,6 +212,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             None,
             None,
             None,
+            *(None,) * len(ctx.needs_input_grad[11:]),  # ``cached``: constants
         )
 
 
@@ -340,6 +348,7 @@ def fp8flow_routed_experts(
     ep_group: dist.ProcessGroup | None = None,
     score_before_experts: bool = False,
     backward: str = "fp8",
+    compile_backend: str | Callable | None = None,
 ) -> torch.Tensor:
     """FP8-Flow routed experts with the top-k combine: ``sum_j top_scores[t, j] * expert_j(x[t])``.
 
@@ -379,10 +388,67 @@ def fp8flow_routed_experts(
             operands (the dgrads stay FP8). Each ablation needs ``recompute_experts=False`` (it reads
             FC1's saved output), no ``ep_group``, and eager mode (its backward runs autograd on a BF16
             graph, which dynamo cannot trace; the layer's ``fp8flow_compile_backend`` is ignored for it).
+        compile_backend: run the path's autograd graph (everything after the argument checks and the
+            ``weight_cache="step"`` lookup, which stay eager) under ``torch.compile(fullgraph=True,
+            backend=compile_backend)``; ``None``: eagerly. Ignored while dynamo traces the caller (the path
+            is then part of the caller's graph, and ``"step"`` quantizes in it as ``"forward"`` does).
+            Needs no ``ep_group`` (its all-to-all split sizes are host integers) and no ablation ``backward``.
 
     Returns:
         ``[T, D]`` in ``x``'s dtype. Gradients flow to ``x``, ``top_scores``, ``w1``, ``w2``, ``w3``.
     """
+    routed = _routed_experts
+    compiling = torch.compiler.is_compiling()
+    if compile_backend is not None and not compiling:
+        if ep_group is not None or backward in ABLATIONS:
+            raise ValueError(
+                "compile_backend needs ep_group=None (expert parallelism's split sizes are host integers) and "
+                f"a backward other than the eager ablations {ABLATIONS}; got ep_group={ep_group}, backward={backward!r}"
+            )
+        routed = compiled_routed_experts(compile_backend)
+    args = (x, top_scores, selected_experts_indices, w1, w2, w3, recompute_experts, weight_cache, ep_group)
+    args += (score_before_experts, backward)
+    cached = ()
+    if weight_cache == "step" and not compiling:
+        _check_routed_experts(*args)  # before the lookup quantizes the weights
+        # Tensors only: None arguments break dynamo's dynamic-shape recompiles of the Function (torch 2.11).
+        cached = tuple(t for t in step_cached_weights(w1, w2, w3, weight_cache) if t is not None)
+    return routed(*args, *cached)
+
+
+def _routed_experts(
+    x, top_scores, selected_experts_indices, w1, w2, w3, recompute_experts, weight_cache, ep_group,
+    score_before_experts, backward, *cached
+) -> torch.Tensor:  # fmt: skip
+    """The argument checks and :class:`_FP8FlowRoutedExperts` on ``"step"``'s cached weights (``cached``: the
+    tensors of an :class:`~fp8flow_ao.weight_cache.ExpertWeightsFP8`, or none): the graph a compiled path
+    (``compile_backend``) captures. The checks are in the graph: their guards tie the inputs' sizes together
+    (a dynamic-shape recompile without them fails in dynamo's autograd.Function tracing, torch 2.11)."""
+    _check_routed_experts(
+        x, top_scores, selected_experts_indices, w1, w2, w3, recompute_experts, weight_cache, ep_group,
+        score_before_experts, backward,
+    )  # fmt: skip
+    return _FP8FlowRoutedExperts.apply(
+        x,
+        top_scores,
+        selected_experts_indices,
+        w1,
+        w2,
+        w3,
+        bool(recompute_experts),
+        weight_cache,
+        ep_group,
+        bool(score_before_experts),
+        backward,
+        *cached,
+    )
+
+
+def _check_routed_experts(
+    x, top_scores, selected_experts_indices, w1, w2, w3, recompute_experts, weight_cache, ep_group,
+    score_before_experts, backward,
+) -> None:  # fmt: skip
+    """Raise on arguments :func:`fp8flow_routed_experts` does not take (its docstring)."""
     check_tensor("x", x, dtypes=_HP_DTYPES, ndim=2)
     check_row_major("x", x)
     for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
@@ -407,19 +473,6 @@ def fp8flow_routed_experts(
     check_same_device(x=x, top_scores=top_scores, selected_experts_indices=selected_experts_indices, w1=w1)
     check_weight_cache_mode(weight_cache)
     check_backward(backward, recompute_experts, ep_group is not None)
-    return _FP8FlowRoutedExperts.apply(
-        x,
-        top_scores,
-        selected_experts_indices,
-        w1,
-        w2,
-        w3,
-        bool(recompute_experts),
-        weight_cache,
-        ep_group,
-        bool(score_before_experts),
-        backward,
-    )
 
 
 def check_backward(
@@ -453,14 +506,15 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def compiled_routed_experts(backend: str | Callable):
-    """:func:`fp8flow_routed_experts` under ``torch.compile(fullgraph=True, backend=backend)``, one per backend.
+def compiled_routed_experts(backend: str | Callable) -> Callable[..., torch.Tensor]:
+    """The routed path's checks and autograd graph (``_routed_experts``) under ``torch.compile(fullgraph=True,
+    backend=backend)``, one per backend (:func:`fp8flow_routed_experts`' ``compile_backend``).
 
     One compiled function for every layer: dynamo caches graphs on the function's code and guards on
     its arguments (shapes, dtypes, the Python options), so same-shaped layers share one graph instead
     of recompiling per layer up to dynamo's recompile limit.
     """
-    return torch.compile(fp8flow_routed_experts, fullgraph=True, backend=backend)
+    return torch.compile(_routed_experts, fullgraph=True, backend=backend)
 
 
 class FP8FlowGroupedExperts:
@@ -469,12 +523,13 @@ class FP8FlowGroupedExperts:
     Running the path inside the experts module keeps FSDP2's pre-forward hooks (which unshard
     ``w1/w2/w3`` when the experts are sharded on their own) in effect.
 
-    With ``fp8flow_compile_backend`` set, the routed path runs as :func:`compiled_routed_experts`: the
-    compiled region is the call of :func:`fp8flow_routed_experts` inside ``forward``, not the module's
-    ``__call__``, so the module's hooks (FSDP2's unshard) and the DTensor ``to_local`` of the weights
-    stay outside the graph, and this module's attributes are read eagerly on every call and passed in
-    as arguments: nothing set later (``fp8flow_ep_group``) can be frozen into a graph traced before.
-    Under expert parallelism the path runs eagerly: its all-to-all split sizes are host integers.
+    With ``fp8flow_compile_backend`` set, the routed path runs compiled (:func:`fp8flow_routed_experts`'
+    ``compile_backend``): the compiled region is the path's autograd graph inside ``forward``, not the
+    module's ``__call__``, so the module's hooks (FSDP2's unshard), the DTensor ``to_local`` of the
+    weights and ``weight_cache="step"``'s lookup stay outside the graph, and this module's attributes are
+    read eagerly on every call and passed in as arguments: nothing set later (``fp8flow_ep_group``) can
+    be frozen into a graph traced before. Under expert parallelism and the ablations the path runs
+    eagerly: its all-to-all split sizes are host integers; their backward runs autograd.
     """
 
     fp8flow_recompute_experts: bool = False
@@ -491,13 +546,8 @@ class FP8FlowGroupedExperts:
 
     def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
-        routed = fp8flow_routed_experts
-        # Inside a graph being traced already (a user compiling the layer) the path is traced with it.
-        compile_ = self.fp8flow_compile_backend is not None and self.fp8flow_ep_group is None
-        compile_ = compile_ and self.fp8flow_backward not in ABLATIONS  # their backward runs autograd
-        if compile_ and not torch.compiler.is_compiling():
-            routed = compiled_routed_experts(self.fp8flow_compile_backend)
-        return routed(
+        compile_ = self.fp8flow_ep_group is None and self.fp8flow_backward not in ABLATIONS
+        return fp8flow_routed_experts(
             x,
             top_scores,
             selected_experts_indices,
@@ -509,6 +559,7 @@ class FP8FlowGroupedExperts:
             ep_group=self.fp8flow_ep_group,
             score_before_experts=self.fp8flow_score_before_experts,
             backward=self.fp8flow_backward,
+            compile_backend=self.fp8flow_compile_backend if compile_ else None,
         )
 
 

@@ -19,8 +19,9 @@ tile themselves as they load it from the BF16 weights (the same bits: :class:`Ex
 * ``"step"``: both orientations are cached across micro-batches and steps (:class:`FP8WeightCache`,
   :data:`EXPERT_WEIGHT_CACHE`) and re-quantized on the first use after the weights change: with
   gradient accumulation micro-batches 2..n quantize nothing. Costs ``6*E*H*D`` bytes per layer (as
-  many bytes as the BF16 weights) for as long as the weights live. Eager mode only: inside
-  ``torch.compile`` it acts as ``"forward"`` (see below).
+  many bytes as the BF16 weights) for as long as the weights live. Works eagerly and with the layer's
+  own compiled path (``compile_backend``; torchtitan's ``fp8flow.compile_experts``); where a caller's
+  ``torch.compile`` traces the layer itself it acts as ``"forward"`` (see below).
 
 Measured on one H200 (``bench_moe_layer.py``, torch.compile, median of 3, 2026-11-24, torch 2.11, triton
 3.6): DeepSeek-like (T=4096, D=7168, H=2048, E=32, top-8) ``"off"`` 13.15 / 13.75 ms (balanced / skewed),
@@ -31,8 +32,16 @@ the backward's second read of the BF16 weights (with the transpose, ``quantize_1
 weight in one pass against 6 in two). An earlier measurement (2026-11-23) saw no gain, most likely
 because its variants shared one process and the autotuner, keyed on (N, K) only, had tuned on
 ``"off"``'s forward-only pass (8 warps best) and served that to ``"forward"``'s transposing pass, which
-runs 1.5x faster with 4 warps (``quantize_128x128.default_config`` now picks per pass). ``"step"`` runs as ``"forward"`` under
-compile; its eager gain with gradient accumulation is not yet measured.
+runs 1.5x faster with 4 warps (``quantize_128x128.default_config`` now picks per pass).
+
+``"step"``, a micro-batch that finds its weights cached (the experts run as torchtitan runs them: the
+block compiled, the routed path compiled on its own with the lookup outside; same H200, same day, one
+run of every variant): DeepSeek-like 11.27 / 11.90 ms against ``"off"``'s 13.21 / 13.80 (1.17x / 1.16x;
+1.63x / 1.67x BF16), the cache holding 2.63 GiB (``6*E*H*D`` bytes), activations and peak as ``"off"``.
+Qwen-like: device time per step 4.06 -> 3.22 ms (steps back to back), but this arrangement (a graph break
+at the experts, the path's own graph and guards, the lookup) costs ~1 ms of host time, and the step is
+host-bound there (5.5 ms of host for 3.2 of device): 5.24 / 5.47 ms against ``"off"``'s 4.61 / 5.14 under
+the whole-block compile. The first micro-batch after an optimizer step pays what ``"forward"`` does.
 
 When is a cached entry stale? An entry is keyed on each source tensor's identity (a weak reference to
 the tensor, or to its base for a view such as a DTensor's ``to_local()``), ``data_ptr``, shape,
@@ -52,9 +61,12 @@ producer for that reason.
 
 ``torch.compile``: the lookup is Python state (a dict, weak references, version counters) that
 dynamo cannot trace into a reusable graph, and a compiled graph may reuse the memory of a buffer it
-believes it owns, which a cached tensor handed out of a custom op would be. So under compilation
-``"step"`` quantizes both orientations in the forward (``"forward"``'s graph, the same bits) and the
-cache serves eager runs. Activation checkpointing and ``recompute_experts`` see the same bits either
+believes it owns, which a cached tensor handed out of a custom op would be. So the lookup
+(:func:`step_cached_weights`) runs before the graph and hands the tiles in as graph inputs, which a
+graph never owns: :func:`~fp8flow_ao.moe.fp8flow_routed_experts` with ``compile_backend`` compiles only
+the path after its checks and this lookup (the torchtitan converter's compiled experts run that way).
+Where a caller's ``torch.compile`` traces the layer, the lookup is inside the trace: ``"step"`` then
+quantizes both orientations in the forward (``"forward"``'s graph, the same bits). Activation checkpointing and ``recompute_experts`` see the same bits either
 way: quantization is deterministic and a cache hit returns the tensors a fresh quantization makes.
 """
 
@@ -305,24 +317,34 @@ def check_weight_cache_mode(mode: object) -> None:
         raise ValueError(f"weight_cache must be one of {WEIGHT_CACHE_MODES}, got {mode!r}")
 
 
+def _both_orientations(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> ExpertWeightsFP8:
+    return quantize_expert_weights(w1, w2, w3, True, True, with_w13_t=True, with_w2_t=True)
+
+
+def step_cached_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mode: str) -> ExpertWeightsFP8:
+    """``weight_cache="step"``'s FP8 weights (both orientations) from :data:`EXPERT_WEIGHT_CACHE`, made now on
+    a miss; :data:`NOTHING` for any other mode, and while dynamo traces (the lookup is Python state a graph
+    cannot hold: a traced ``"step"`` quantizes in the graph, as ``"forward"``). Call it outside the graph
+    and hand the tensors in: as inputs of a compiled graph they are never memory the graph may reuse."""
+    if mode != "step" or torch.compiler.is_compiling():
+        return NOTHING
+    with torch.no_grad():  # FP8 tiles are constants to the layer's autograd graph
+        return EXPERT_WEIGHT_CACHE.get((w1, w2, w3), lambda: _both_orientations(w1, w2, w3))
+
+
 def weights_for_forward(
-    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mode: str, rows: int
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mode: str, rows: int, cached: ExpertWeightsFP8 = NOTHING
 ) -> ExpertWeightsFP8 | ExpertWeightsHP:
-    """The weights a forward over ``rows`` routed rows uses: the weights themselves where the GEMMs quantize
-    them (:func:`quantized_in_gemm`), else FP8 tiles: the forward orientation (``"off"``), or both
-    (``"forward"``, ``"step"``)."""
+    """The weights a forward over ``rows`` routed rows uses: ``cached`` (:func:`step_cached_weights`) when
+    given; the weights themselves where the GEMMs quantize them (:func:`quantized_in_gemm`); else FP8
+    tiles made now: the forward orientation (``"off"``), or both (``"forward"``, a traced ``"step"``)."""
+    if cached.w13 is not None:
+        return cached
     if quantized_in_gemm(w1, w2, w3, rows, mode):
         return ExpertWeightsHP(w1, w2, w3)
     if mode == "off":
         return quantize_expert_weights(w1, w2, w3, True, True, with_w13_t=False, with_w2_t=False)
-
-    def both() -> ExpertWeightsFP8:
-        return quantize_expert_weights(w1, w2, w3, True, True, with_w13_t=True, with_w2_t=True)
-
-    # Compiled graphs quantize in the graph (module docstring); the branch is resolved while tracing.
-    if mode == "forward" or torch.compiler.is_compiling():
-        return both()
-    return EXPERT_WEIGHT_CACHE.get((w1, w2, w3), both)
+    return _both_orientations(w1, w2, w3)
 
 
 def kept_for_backward(q: ExpertWeightsFP8 | ExpertWeightsHP, recompute: bool) -> ExpertWeightsFP8:

@@ -22,7 +22,7 @@ import torch
 from conftest import DEVICE
 from test_moe import ROUTINGS, _inputs, make_moe, run_step
 
-from fp8flow_ao.moe import convert_moe_layer, fp8flow_routed_experts
+from fp8flow_ao.moe import _routed_experts, convert_moe_layer, fp8flow_routed_experts
 from fp8flow_ao.parallel import shard_experts
 from fp8flow_ao.parallel.expert_parallel import plan_dispatch
 
@@ -325,14 +325,14 @@ def test_compiled_experts_given_an_ep_group_later_run_it_eagerly(one_rank_group,
     moe = convert_moe_layer(copy.deepcopy(ref))
     moe.experts.fp8flow_compile_backend = "aot_eager"
     steps = [run_step(moe, x, grad)]
-    assert len(_debug_get_cache_entry_list(fp8flow_routed_experts.__code__)) == 1
+    assert len(_debug_get_cache_entry_list(_routed_experts.__code__)) == 1
     plans = []
     monkeypatch.setattr(moe_py, "plan_dispatch", lambda *a: plans.append(a) or plan_dispatch(*a))
     moe.experts.fp8flow_ep_group = one_rank_group  # what shard_experts sets
     moe.zero_grad()
     steps.append(run_step(moe, x, grad))
     assert len(plans) == 1, "the EP dispatch ran"
-    assert len(_debug_get_cache_entry_list(fp8flow_routed_experts.__code__)) == 1, "nothing traced under EP"
+    assert len(_debug_get_cache_entry_list(_routed_experts.__code__)) == 1, "nothing traced under EP"
     for got in steps:
         for key, value in expected.items():
             assert torch.equal(got[key], value), key

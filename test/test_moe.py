@@ -18,7 +18,7 @@ from conftest import DEVICE
 from fp8_helpers import sqnr_db
 
 from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
-from fp8flow_ao.moe import FP8FlowMoE, convert_moe_layer, fp8flow_routed_experts
+from fp8flow_ao.moe import FP8FlowMoE, _routed_experts, convert_moe_layer, fp8flow_routed_experts
 from fp8flow_ao.torchtitan.cpu import integer_histc
 
 moe_mod = pytest.importorskip("torchtitan.models.moe.moe")
@@ -377,7 +377,8 @@ def test_compile_backend_compiles_the_routed_call_once_for_all_layers(runs):
         got = run_step(moe, x, grad)
         for key in ("out", "x", *PARAMS):
             assert torch.equal(got[key], runs["balanced"][False][key]), key
-    assert len(_debug_get_cache_entry_list(fp8flow_routed_experts.__code__)) == 1
+    assert len(_debug_get_cache_entry_list(_routed_experts.__code__)) == 1
+    assert not _debug_get_cache_entry_list(fp8flow_routed_experts.__code__)  # its checks and lookup stay eager
     assert not _debug_get_cache_entry_list(FP8FlowMoE.forward.__code__)
     assert not _debug_get_cache_entry_list(type(moe.experts).forward.__code__)
     moe.compile(fullgraph=True, backend="aot_eager")  # a user compiling the layer traces the path with it
@@ -395,7 +396,7 @@ def test_compile_backend_compiles_training_modes_not_ablations(runs, backward, c
     moe = convert_moe_layer(copy.deepcopy(runs["balanced"]["model"]), backward=backward)
     moe.experts.fp8flow_compile_backend = "aot_eager"
     got = run_step(moe, x, grad)
-    assert bool(_debug_get_cache_entry_list(fp8flow_routed_experts.__code__)) == compiled
+    assert bool(_debug_get_cache_entry_list(_routed_experts.__code__)) == compiled
     for key in ("out", "x", *PARAMS):
         assert torch.equal(got[key], eager[key]), key
 

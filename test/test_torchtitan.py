@@ -21,7 +21,7 @@ pytest.importorskip("datasets")
 
 import fp8flow_ao.torchtitan as fp8tt  # noqa: E402  (registers the converter and the dataset)
 from fp8flow_ao import data  # noqa: E402
-from fp8flow_ao.moe import FP8FlowMoE, fp8flow_routed_experts, is_converted  # noqa: E402
+from fp8flow_ao.moe import FP8FlowMoE, _routed_experts, is_converted  # noqa: E402
 from fp8flow_ao.torchtitan import assets, cpu  # noqa: E402
 from fp8flow_ao.torchtitan.converter import FP8FlowConverter, fqn_filter  # noqa: E402
 from fp8flow_ao.torchtitan.job_config import FP8Flow  # noqa: E402
@@ -409,7 +409,7 @@ def test_trainer_with_compiled_experts_matches_eager(
     flags = ["--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode", mode]
     flags += ["--fp8flow.recompute_experts"] if recompute else []
     compiled = cpu.train(_debugmodel_args(corpus, tmp_path, *flags), False)
-    assert _debug_get_cache_entry_list(fp8flow_routed_experts.__code__), "the routed experts were compiled"
+    assert _debug_get_cache_entry_list(_routed_experts.__code__), "the routed experts were compiled"
     assert compiled == pytest.approx(eager_losses, rel=1e-6, abs=0)
 
 

@@ -149,12 +149,12 @@ def test_inference_tensors_are_never_cached():
 # ---------------------------------------------------------------------------------------------------
 
 
-def _layer_inputs():
-    x = torch.randn(TOKENS, DIM, device=DEVICE, dtype=torch.bfloat16)
-    probs = torch.rand(TOKENS, TOP_K, device=DEVICE)
-    ids = torch.stack([torch.randperm(EXPERTS, device=DEVICE)[:TOP_K] for _ in range(TOKENS)])
-    grad = torch.randn(TOKENS, DIM, device=DEVICE, dtype=torch.bfloat16)
-    shapes = ((EXPERTS, HIDDEN, DIM), (EXPERTS, DIM, HIDDEN), (EXPERTS, HIDDEN, DIM))
+def _layer_inputs(tokens: int = TOKENS, dim: int = DIM, hidden: int = HIDDEN, experts: int = EXPERTS):
+    x = torch.randn(tokens, dim, device=DEVICE, dtype=torch.bfloat16)
+    probs = torch.rand(tokens, TOP_K, device=DEVICE)
+    ids = torch.stack([torch.randperm(experts, device=DEVICE)[:TOP_K] for _ in range(tokens)])
+    grad = torch.randn(tokens, dim, device=DEVICE, dtype=torch.bfloat16)
+    shapes = ((experts, hidden, dim), (experts, dim, hidden), (experts, hidden, dim))
     weights = [torch.nn.Parameter(torch.randn(s, device=DEVICE, dtype=torch.bfloat16) * 0.05) for s in shapes]
     return x, probs, ids, grad, weights
 
@@ -207,8 +207,10 @@ def test_backward_quantizes_only_what_its_gemms_read():
     assert fc2.w2_t is not None and fc2.w13 is None and fc2.w13_t is None
 
 
-def test_step_cache_follows_weight_updates_between_micro_batches(monkeypatch):
-    """Gradient accumulation, then an optimizer step, then a manual edit: never a stale weight."""
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"], ids=["eager", "compiled_path"])
+def test_step_cache_follows_weight_updates_between_micro_batches(monkeypatch, compile_backend):
+    """Gradient accumulation, then an optimizer step, then a manual edit: never a stale weight; the same
+    when the path runs compiled (``compile_backend``: the lookup stays eager, the graph takes the tiles)."""
     from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise
 
     # the "off" twin quantizes with quantize_128x128 too, so the counts below are the cache's alone
@@ -217,15 +219,21 @@ def test_step_cache_follows_weight_updates_between_micro_batches(monkeypatch):
     fresh = [w.detach().clone().requires_grad_() for w in weights]  # the "off" twin, updated alike
 
     def both_agree():
-        cached = _step(fp8flow_routed_experts, x, probs, ids, grad, weights, weight_cache="step")
+        kwargs = {"weight_cache": "step", "compile_backend": compile_backend}
+        cached = _step(fp8flow_routed_experts, x, probs, ids, grad, weights, **kwargs)
         _assert_identical(cached, _step(fp8flow_routed_experts, x, probs, ids, grad, fresh))
         return cached
 
-    hits = EXPERT_WEIGHT_CACHE.hits
-    with FP8FlowOpCounter() as counter:
+    hits, misses = EXPERT_WEIGHT_CACHE.hits, EXPERT_WEIGHT_CACHE.misses
+    if compile_backend is None:  # the op counter is a dispatch mode, which dynamo does not trace under
+        with FP8FlowOpCounter() as counter:
+            both_agree()
+            both_agree()  # micro-batch 2 reuses the weights
+        assert counter.counts["quantize_128x128"] == 2 + 2 * 4
+    else:
         both_agree()
-        both_agree()  # micro-batch 2 reuses the weights
-    assert counter.counts["quantize_128x128"] == 2 + 2 * 4 and EXPERT_WEIGHT_CACHE.hits == hits + 1
+        both_agree()
+    assert (EXPERT_WEIGHT_CACHE.hits, EXPERT_WEIGHT_CACHE.misses) == (hits + 1, misses + 1)
     update = [torch.randn_like(w) * 0.01 for w in weights]
     for group in (weights, fresh):
         for w, u in zip(group, update, strict=True):
@@ -254,7 +262,8 @@ def test_modes_keep_the_transposes_for_backward(mode):
 @pytest.mark.parametrize("mode", ["forward", "step"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 def test_modes_compile_fullgraph_bit_identical(mode, recompute):
-    """Under compile "step" quantizes in the graph ("forward"'s bits) and touches no cache."""
+    """Traced by the caller's compile, "step" quantizes in the graph ("forward"'s bits) and touches no cache
+    (its lookup is Python state: ``compile_backend`` compiles the path with the lookup outside)."""
     x, probs, ids, grad, weights = _layer_inputs()
     compiled = torch.compile(fp8flow_routed_experts, fullgraph=True, backend="aot_eager")
     eager = _step(fp8flow_routed_experts, x, probs, ids, grad, weights, recompute_experts=recompute)
@@ -262,6 +271,24 @@ def test_modes_compile_fullgraph_bit_identical(mode, recompute):
     kwargs = {"recompute_experts": recompute, "weight_cache": mode}
     _assert_identical(_step(compiled, x, probs, ids, grad, weights, **kwargs), eager)
     assert len(EXPERT_WEIGHT_CACHE) == 0
+
+
+def test_compiled_path_recompiles_for_new_shapes():
+    """``compile_backend`` over calls whose shapes change (dynamo's dynamic-shape recompile, which failed
+    on torch 2.11 when the path's checks were left out of the graph) and whose mode changes: eager's bits."""
+    torch._dynamo.reset()
+    layers = [
+        (TOKENS, DIM, HIDDEN, EXPERTS),
+        (2 * TOKENS, 2 * DIM, 2 * HIDDEN, 2 * EXPERTS),
+        (3 * TOKENS, DIM, HIDDEN, EXPERTS),
+    ]
+    for shape, mode in zip(layers + layers[:1], ("off", "off", "step", "step"), strict=True):
+        x, probs, ids, grad, weights = _layer_inputs(*shape)
+        eager = _step(fp8flow_routed_experts, x, probs, ids, grad, weights)
+        compiled = _step(
+            fp8flow_routed_experts, x, probs, ids, grad, weights, weight_cache=mode, compile_backend="aot_eager"
+        )
+        _assert_identical(compiled, eager)
 
 
 @pytest.mark.parametrize("mode", ["forward", "step"])
@@ -283,6 +310,8 @@ def test_bad_mode():
         FP8FlowConfig(weight_cache="always")
     with pytest.raises(ValueError, match="needs recipe='blockwise'"):
         FP8FlowConfig(weight_cache="step", recipe="rowwise")
+    with pytest.raises(ValueError, match="compile_backend needs"):
+        fp8flow_routed_experts(x, probs, ids, *weights, backward="bf16", compile_backend="aot_eager")
 
 
 @pytest.mark.gpu
@@ -311,3 +340,14 @@ def test_gpu_modes_bit_identical_without_sync_and_compiled():
     compiled_off = _step(compiled, *args)
     for mode in ("forward", "step"):
         _assert_identical(_step(compiled, *args, weight_cache=mode), compiled_off)
+    # the path compiled with the lookup outside its graph: "step" is served from the cache (a hit, no sync)
+    path_off = _step(fp8flow_routed_experts, *args, compile_backend="inductor")
+    _assert_identical(_step(fp8flow_routed_experts, *args, weight_cache="step", compile_backend="inductor"), path_off)
+    hits = EXPERT_WEIGHT_CACHE.hits
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hit = _step(fp8flow_routed_experts, *args, weight_cache="step", compile_backend="inductor")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert EXPERT_WEIGHT_CACHE.hits == hits + 1
+    _assert_identical(hit, path_off)
