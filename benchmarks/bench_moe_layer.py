@@ -29,6 +29,10 @@ Variants, each ``torch.compile``-d (default mode, graph breaks allowed so every 
   first of a step -- the FP8 weights come from the cache (``weight_cache_mib``: the bytes it holds,
   outside ``act_mem`` and ``peak_mem``); the first micro-batch after an optimizer step costs about what
   ``fp8flow_wt_forward`` does;
+* ``fp8flow_cudagraph``: ``fp8flow`` with the experts run as in ``fp8flow_wt_step`` and their path compiled
+  with ``mode="reduce-overhead"`` (CUDA graphs: the layer's ``fp8flow_compile_mode``), against
+  ``bf16_cudagraph``: the BF16 block under ``torch.compile(mode="reduce-overhead")``. No stage table for
+  these: kernels replayed from a graph have no op to name them by;
 * ``fp8flow_bf16_fc1_dgrad``: ``FP8FlowConfig(backward="bf16_fc1_dgrad")``: FC1's dgrad in BF16 (the
   loss-gap fix of ``convergence.md``), what it costs.
 
@@ -90,20 +94,20 @@ CASES = {
     "llama4": (LLAMA4_SCOUT, 16384),
 }
 ROUTINGS = ("balanced", "skewed")
-VARIANTS = (
-    "bf16",
+OURS = (
     "fp8flow",
     "fp8flow_recompute",
     "fp8flow_wt_forward",
     "fp8flow_wt_step",
+    "fp8flow_cudagraph",
     "fp8flow_bf16_fc1_dgrad",
-    "torchao_rowwise",
-    "torchao_blockwise",
 )
-OURS = ("fp8flow", "fp8flow_recompute", "fp8flow_wt_forward", "fp8flow_wt_step", "fp8flow_bf16_fc1_dgrad")
+VARIANTS = ("bf16", "bf16_cudagraph", *OURS, "torchao_rowwise", "torchao_blockwise")
+CUDA_GRAPHED = ("bf16_cudagraph", "fp8flow_cudagraph")
 WEIGHT_CACHE = {"fp8flow_wt_forward": "forward", "fp8flow_wt_step": "step"}
 BASELINES = {
     "bf16": "BF16 torchtitan MoE (torch.compile)",
+    "bf16_cudagraph": "BF16 torchtitan MoE (torch.compile, CUDA graphs)",
     "torchao_rowwise": "torchao 0.18 FP8 row-wise MoE (torch.compile)",
     "torchao_blockwise": "torchao 0.18 FP8 blockwise grouped GEMM (torch.compile)",
 }
@@ -222,9 +226,10 @@ def convert(block: Block, variant: str) -> Block:
                 backward="bf16_fc1_dgrad" if variant == "fp8flow_bf16_fc1_dgrad" else "fp8",
             ),
         )
-        if variant == "fp8flow_wt_step":  # as the torchtitan converter runs it (module docstring)
+        if variant in ("fp8flow_wt_step", "fp8flow_cudagraph"):  # as the torchtitan converter runs it
             experts = block.moe.experts
             experts.fp8flow_compile_backend = "inductor"
+            experts.fp8flow_compile_mode = "reduce-overhead" if variant == "fp8flow_cudagraph" else None
             experts.forward = torch.compiler.disable(experts.forward)
     return block
 
@@ -490,12 +495,12 @@ def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> lis
     EXPERT_WEIGHT_CACHE.invalidate()  # weight_cache_mib: this variant's entries only
     block = convert(case.base, variant)
     install_routing(block, case.fixed)
-    compiled = torch.compile(block)
+    compiled = torch.compile(block, mode="reduce-overhead" if variant == "bf16_cudagraph" else None)
     stage_rows = []
     for kind in ROUTINGS:
         case.fixed.set(routing(kind, case.tokens, case.shape.top_k, case.shape.experts))
         case.results[kind, variant] = measure(compiled, case.inputs, repeats)
-        if variant in OURS and kind == "balanced":
+        if variant in OURS and kind == "balanced" and variant not in CUDA_GRAPHED:
             try:
                 stages, host_us, device_us, host_fns = stage_breakdown(
                     compiled, case.inputs, case.shape, case.results[kind, variant].us
@@ -595,7 +600,13 @@ def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str
                 speedup_range=[round(min(base.reps_us) / max(ours.reps_us), 3),
                                round(max(base.reps_us) / min(ours.reps_us), 3)],
             )  # fmt: skip
-            if bf16 is not None:
+            if variant in CUDA_GRAPHED or baseline in CUDA_GRAPHED:
+                # a CUDA graph's buffers live in its private pool, which the allocator's counters leave out
+                for key in ("act_mem_mib", "peak_mem_mib") if variant in CUDA_GRAPHED else ():
+                    r[key] = None
+                for key in ("baseline_act_mem_mib", "baseline_peak_mem_mib") if baseline in CUDA_GRAPHED else ():
+                    r[key] = None
+            elif bf16 is not None:
                 r["act_mem_ratio_vs_bf16"] = round(ours.act_mib / bf16.act_mib, 3)
             checks = []
             if target is not None:
@@ -620,6 +631,7 @@ def main() -> None:
     parser.add_argument(
         "--budget-s", type=float, default=270, help="skip variants that would start after this many seconds"
     )
+    parser.add_argument("--tag", default="", help="appended to the result files' names (keeps another run's files)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -651,6 +663,7 @@ def main() -> None:
     )
     # A subset of the cases gets its own files, so running the cases one at a time keeps both.
     name = "moe_layer" if set(args.cases) == set(CASES) else "moe_layer_" + "_".join(sorted(args.cases))
+    name += f"_{args.tag}" if args.tag else ""
     write_results(name, rows, notes=" ".join(notes))
     if stage_rows:
         note = "FP8-Flow device time per forward + backward by op (torch.profiler)."

@@ -66,8 +66,9 @@ believes it owns, which a cached tensor handed out of a custom op would be. So t
 graph never owns: :func:`~fp8flow_ao.moe.fp8flow_routed_experts` with ``compile_backend`` compiles only
 the path after its checks and this lookup (the torchtitan converter's compiled experts run that way).
 Where a caller's ``torch.compile`` traces the layer, the lookup is inside the trace: ``"step"`` then
-quantizes both orientations in the forward (``"forward"``'s graph, the same bits). Activation checkpointing and ``recompute_experts`` see the same bits either
-way: quantization is deterministic and a cache hit returns the tensors a fresh quantization makes.
+quantizes both orientations in the forward (``"forward"``'s graph, the same bits). Activation
+checkpointing and ``recompute_experts`` see the same bits either way: quantization is deterministic
+and a cache hit returns the tensors a fresh quantization makes.
 """
 
 from __future__ import annotations

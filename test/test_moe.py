@@ -504,3 +504,52 @@ def test_weight_gradients_leave_the_function_contiguous():
     grads = torch.autograd.grad(out, weights, torch.randn_like(out))
     for name, w, grad in zip(("w1", "w2", "w3"), weights, grads, strict=True):
         assert grad.shape == w.shape and grad.is_contiguous(), name
+
+
+def test_compile_mode_needs_inductor_and_no_step_cache():
+    x = torch.randn(128, 256, dtype=torch.bfloat16)
+    probs, ids = torch.rand(128, 2), torch.randint(0, 4, (128, 2))
+    w = torch.randn(4, 128, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match='needs compile_backend="inductor"'):
+        fp8flow_routed_experts(x, probs, ids, w, w.transpose(1, 2), w, compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="copy the cached FP8 weights"):
+        fp8flow_routed_experts(
+            x, probs, ids, w, w.transpose(1, 2), w, weight_cache="step", compile_backend="inductor",
+            compile_mode="reduce-overhead",
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_cache", ["off", "forward"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_gpu_cuda_graphed_path_is_bit_identical(weight_cache, recompute):
+    """``compile_mode="reduce-overhead"``: two layers a step, three steps with new tokens, routings and
+    weights (an optimizer step between), every output and gradient bit for bit the eager path's."""
+    dim, hidden, experts, top_k, tokens = 1024, 512, 8, 4, 2048
+    torch._dynamo.reset()
+    layers = [
+        [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.05) for s in shapes]
+        for shapes in [((experts, hidden, dim), (experts, dim, hidden), (experts, hidden, dim))] * 2
+    ]
+    twins = [[w.detach().clone().requires_grad_() for w in ws] for ws in layers]
+    kwargs = {"recompute_experts": recompute, "weight_cache": weight_cache}
+    graphed = {"compile_backend": "inductor", "compile_mode": "reduce-overhead"}
+    for step in range(3):
+        x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16)
+        probs = torch.rand(tokens, top_k, device="cuda")
+        ids = torch.randint(0, experts - step, (tokens, top_k), device="cuda")  # later steps leave experts empty
+        grad = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16)
+        results = []
+        for weights, extra in ((twins, {}), (layers, graphed)):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, probs)]
+            h = fp8flow_routed_experts(leaves[0], leaves[1], ids, *weights[0], **kwargs, **extra)
+            out = fp8flow_routed_experts(h, leaves[1], ids, *weights[1], **kwargs, **extra)
+            out.backward(grad)
+            results.append([out.detach().clone(), *(t.grad for t in leaves), *(w.grad for ws in weights for w in ws)])
+        for i, (a, b) in enumerate(zip(*results, strict=True)):
+            assert torch.equal(a, b), i
+        with torch.no_grad():
+            for ws in (*layers, *twins):
+                for w in ws:
+                    w.sub_(1e-3 * w.grad / w.grad.abs().amax())  # a bounded step: the values stay finite
+                    w.grad = None
