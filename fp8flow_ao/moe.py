@@ -415,11 +415,16 @@ def fp8flow_routed_experts(
     args = (x, top_scores, selected_experts_indices, w1, w2, w3, recompute_experts, weight_cache, ep_group)
     args += (score_before_experts, backward)
     cached = ()
-    if weight_cache == "step" and not compiling:
+    if routed is not _routed_experts and weight_cache == "step":  # a compiled graph gets the tiles as inputs
         _check_routed_experts(*args)  # before the lookup quantizes the weights
-        # Tensors only: None arguments break dynamo's dynamic-shape recompiles of the Function (torch 2.11).
-        cached = tuple(t for t in step_cached_weights(w1, w2, w3, weight_cache) if t is not None)
+        cached = _step_tiles(w1, w2, w3, weight_cache)
     return routed(*args, *cached)
+
+
+def _step_tiles(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, weight_cache: str) -> tuple[torch.Tensor, ...]:
+    """:func:`~fp8flow_ao.weight_cache.step_cached_weights` as the tensors alone (none outside ``"step"`` or
+    while tracing): None arguments break dynamo's dynamic-shape recompiles of the Function (torch 2.11)."""
+    return tuple(t for t in step_cached_weights(w1, w2, w3, weight_cache) if t is not None)
 
 
 def _check_compile_options(
@@ -445,13 +450,14 @@ def _routed_experts(
     score_before_experts, backward, *cached
 ) -> torch.Tensor:  # fmt: skip
     """The argument checks and :class:`_FP8FlowRoutedExperts` on ``"step"``'s cached weights (``cached``: the
-    tensors of an :class:`~fp8flow_ao.weight_cache.ExpertWeightsFP8`, or none): the graph a compiled path
-    (``compile_backend``) captures. The checks are in the graph: their guards tie the inputs' sizes together
+    tensors of an :class:`~fp8flow_ao.weight_cache.ExpertWeightsFP8`; none: looked up here when eager): the
+    graph a compiled path (``compile_backend``) captures. The checks are in the graph: their guards tie the inputs' sizes together
     (a dynamic-shape recompile without them fails in dynamo's autograd.Function tracing, torch 2.11)."""
     _check_routed_experts(
         x, top_scores, selected_experts_indices, w1, w2, w3, recompute_experts, weight_cache, ep_group,
         score_before_experts, backward,
     )  # fmt: skip
+    cached = cached or _step_tiles(w1, w2, w3, weight_cache)  # eager: looked up here, after the checks
     return _FP8FlowRoutedExperts.apply(
         x,
         top_scores,
