@@ -451,8 +451,9 @@ def _routed_experts(
 ) -> torch.Tensor:  # fmt: skip
     """The argument checks and :class:`_FP8FlowRoutedExperts` on ``"step"``'s cached weights (``cached``: the
     tensors of an :class:`~fp8flow_ao.weight_cache.ExpertWeightsFP8`; none: looked up here when eager): the
-    graph a compiled path (``compile_backend``) captures. The checks are in the graph: their guards tie the inputs' sizes together
-    (a dynamic-shape recompile without them fails in dynamo's autograd.Function tracing, torch 2.11)."""
+    graph a compiled path (``compile_backend``) captures. The checks are in the graph: their guards tie the
+    inputs' sizes together (a dynamic-shape recompile without them fails in dynamo's autograd.Function
+    tracing, torch 2.11)."""
     _check_routed_experts(
         x, top_scores, selected_experts_indices, w1, w2, w3, recompute_experts, weight_cache, ep_group,
         score_before_experts, backward,
