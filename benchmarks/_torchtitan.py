@@ -27,6 +27,9 @@ RECIPES: dict[str, list[str]] = {
     # FP8-Flow with only its weight gradients in BF16.
     "fp8flow_bf16_backward": ["--model.converters", "fp8flow", "--fp8flow.backward", "bf16"],
     "fp8flow_bf16_wgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "bf16_wgrad"],
+    # Emulations of a change to FC1's FP8 dgrad (compiled, FP8-Flow's speed less one FP8 GEMM).
+    "fp8flow_emulated_fc1_dgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "emulated_fp8_fc1_dgrad"],
+    "fp8flow_emulated_sr_fc1_dgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "emulated_sr_fc1_dgrad"],
 }
 TRAINING_RECIPES = ("bf16", "rowwise", "fp8flow", "fp8flow_bf16_fc1_dgrad")
 """The recipes a user trains with (each with a convergence goal); the rest are ablations."""
@@ -39,6 +42,8 @@ RECIPE_NAMES = {
     "fp8flow_bf16_backward": "FP8-Flow forward, BF16 backward (ablation)",
     "fp8flow_bf16_wgrad": "FP8-Flow, BF16 weight gradients (ablation)",
     "fp8flow_bf16_fc1_dgrad": "FP8-Flow, BF16 FC1 dgrad",
+    "fp8flow_emulated_fc1_dgrad": "FP8-Flow, FC1 dgrad emulated in BF16 (ablation)",
+    "fp8flow_emulated_sr_fc1_dgrad": "FP8-Flow, FC1 dgrad on stochastically rounded dh, emulated (ablation)",
 }
 
 

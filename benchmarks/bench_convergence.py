@@ -46,6 +46,15 @@ dgrad gap between FC1's dgrad and the rest. Ablations are paired with BF16 like 
     python3 benchmarks/bench_convergence.py --recipe fp8flow_bf16_wgrad --steps 2000
     python3 benchmarks/bench_convergence.py --recipe fp8flow_bf16_fc1_dgrad --steps 2000
 
+What a change to FC1's FP8 dgrad would do, before a kernel is written: ``fp8flow_emulated_fc1_dgrad`` runs
+that dgrad in BF16 GEMMs on FP8-Flow's own FP8 operands (a control: it should train as ``fp8flow``),
+``fp8flow_emulated_sr_fc1_dgrad`` the same with dh rounded stochastically to its FP8 grid (unbiased)
+instead of to nearest (``fp8flow.backward = "emulated_*"``; compiled, about ``bf16_fc1_dgrad``'s speed).
+
+Several runs can share the one GPU (their loss curves do not depend on it; a small model leaves it
+partly idle): ``bash .ci/gpu OUT convergence "--recipe A ..." "--recipe B ..."`` builds the corpus once
+and starts them together with ``--shared-gpu N``, which keeps their tokens/s out of the report.
+
 Cost (fp8flow_gpu, estimated): a probe is ~0.1 s a MoE layer (the fp32 reference: ~3.7 TFLOP of fp32
 matmuls), measured between the timed steps; the grad norms read the fp32 expert gradients once a
 step (1.8 GB, ~0.5 ms, inside the timed step, <1% of it); a probed run's peak memory includes the
@@ -148,6 +157,7 @@ def run_one(args: argparse.Namespace) -> Path:
         "date": datetime.date.today().isoformat(),
         "corpus": facts,
         "tokens_per_s": round(tokens_per_s(record, min(WARMUP_STEPS, args.steps // 2))),
+        "shared_gpu": args.shared_gpu,
         "wall_s": round(time.perf_counter() - start, 1),
         **record.to_json(),
     }
@@ -215,6 +225,15 @@ def paired_baseline(name: str, run: dict[str, Any], runs: dict[str, dict[str, An
     return BASELINE if not same_seed or BASELINE in same_seed else same_seed[0]
 
 
+def own_tokens_per_s(run: dict[str, Any]) -> int | None:
+    """The run's tokens/s, or None where it shared its GPU with other runs (then it measures the sharing)."""
+    return run["tokens_per_s"] if run.get("shared_gpu", 1) == 1 else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a / b, 3)
+
+
 def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per-run figures and gaps to each run's paired BF16 run, with the goal check for FP8 recipes (not ablations)."""
     out = {}
@@ -228,8 +247,8 @@ def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "steps": len(r["losses"]),
             "final_loss_smoothed": round(ema(r["losses"])[-1], 4),
             "final_heldout_loss": round(r["validation"][last_val], 4) if last_val else None,
-            "tokens_per_s": r["tokens_per_s"],
-            "speedup_vs_bf16": round(r["tokens_per_s"] / runs[base_name or BASELINE]["tokens_per_s"], 3),
+            "tokens_per_s": own_tokens_per_s(r),
+            "speedup_vs_bf16": _ratio(own_tokens_per_s(r), own_tokens_per_s(runs[base_name or BASELINE])),
             "peak_mem_gib": None if r["peak_mem_gib"] is None else round(r["peak_mem_gib"], 2),
             "epochs": r["corpus"]["epochs"],
         }
@@ -419,6 +438,10 @@ def plot_probes(runs: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _tok_s(v: int | None) -> str:
+    return "shared GPU" if v is None else f"{v:,}"
+
+
 def _pct(v: float | None) -> str:
     return "" if v is None else f"{100 * v:+.3f}%"
 
@@ -443,7 +466,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {name} | {RECIPE_NAMES[r['recipe']]} | {r['seed']} | {r['baseline'] or ''} | "
             f"{r['final_loss_smoothed']} | {r['final_heldout_loss']} | "
             f"{_pct(r.get('train_gap_last_half'))} | {_pct(r.get('mean_abs_step_gap_last_half'))} | "
-            f"{_pct(r.get('heldout_gap_final'))} | {r['tokens_per_s']:,} | {r['speedup_vs_bf16']} | "
+            f"{_pct(r.get('heldout_gap_final'))} | {_tok_s(r['tokens_per_s'])} | {r['speedup_vs_bf16'] or ''} | "
             f"{r['peak_mem_gib']} | {r['epochs']} | {goal} |"
         )
     noted = [f"- {name}: {r['note']}" for name, r in doc["runs"].items() if "note" in r]
@@ -548,6 +571,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--corpus", type=Path, help="source corpus directory (default: $FP8FLOW_ASSETS/pysrc, built if missing)"
     )
+    p.add_argument(
+        "--shared-gpu",
+        type=int,
+        default=1,
+        metavar="N",
+        help="this run shares its GPU with N - 1 others started beside it (`.ci/gpu OUT convergence`): its loss "
+        "curve is unaffected, its tokens/s measures the sharing and is left out of the report",
+    )
     p.add_argument("--runs-dir", type=Path, default=RESULTS_DIR / "convergence_runs")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument(
@@ -559,6 +590,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give one of --recipe or --report, not both")
     if args.steps < 2:
         p.error(f"--steps must be at least 2, got {args.steps}")
+    if args.shared_gpu < 1:
+        p.error(f"--shared-gpu must be at least 1, got {args.shared_gpu}")
     if args.probe_every < 0:
         p.error(f"--probe-every must be 0 (off) or a number of steps, got {args.probe_every}")
     return args

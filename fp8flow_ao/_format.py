@@ -59,6 +59,17 @@ def nan_free_abs(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(a), torch.zeros_like(a), a)
 
 
+def _scaled_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` fp32 in 1 x ``block`` blocks of its last dim ``[..., nb, block]`` (a ragged last block zero-padded),
+    each multiplied by its power-of-two scale (``|y| <= 448``), and the blocks' ``scale_inv`` ``[..., nb]``."""
+    k = x.shape[-1]
+    nb = -(-k // block) if k else 0
+    padded = torch.nn.functional.pad(x.float(), (0, nb * block - k))
+    blocks = padded.reshape(*x.shape[:-1], nb, block)
+    scale_inv, scale = pow2_scale_inv(nan_free_abs(blocks).amax(dim=-1))
+    return blocks * scale.unsqueeze(-1), scale_inv
+
+
 def quantize_rows_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference 1 x ``block`` quantization of the last dim of ``x`` (any leading dims).
 
@@ -66,15 +77,28 @@ def quantize_rows_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, 
     A ragged last block is quantized over its real elements only.
     """
     k = x.shape[-1]
-    nb = -(-k // block) if k else 0
-    xf = x.float()
-    padded = torch.nn.functional.pad(xf, (0, nb * block - k))
-    blocks = padded.reshape(*x.shape[:-1], nb, block)
-    amax = nan_free_abs(blocks).amax(dim=-1)
-    scale_inv, scale = pow2_scale_inv(amax)
-    y = blocks * scale.unsqueeze(-1)
-    data = cast_to_fp8(y).reshape(*x.shape[:-1], nb * block)[..., :k]
+    y, scale_inv = _scaled_blocks(x, block)
+    data = cast_to_fp8(y).reshape(*x.shape[:-1], y.shape[-2] * block)[..., :k]
     return data.contiguous(), scale_inv
+
+
+def round_rows_to_fp8_grid(x: torch.Tensor, block: int, rounding: str = "nearest") -> torch.Tensor:
+    """The values (fp32, ``x``'s shape) that 1 x ``block`` E4M3 quantization of finite ``x`` represents:
+    ``data * scale_inv`` of :func:`quantize_rows_reference` for ``rounding="nearest"``; for
+    ``"stochastic"``, each value goes to one of its two neighbours on the same grid (the block's scale, E4M3's
+    spacing at the value's binade: ``2**(max(e, -6) - 3)``) with probabilities by distance, so that the
+    expectation is ``x`` itself (torch's global generator draws one uniform per element)."""
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    k = x.shape[-1]
+    y, scale_inv = _scaled_blocks(x, block)
+    if rounding == "nearest":
+        y = cast_to_fp8(y).float()
+    else:
+        binade = ((y.view(torch.int32) >> 23) & 0xFF) - 127
+        spacing = ((torch.clamp(binade, min=-6) - 3 + 127) << 23).view(torch.float32)
+        y = torch.floor(y / spacing + torch.rand_like(y)) * spacing
+    return (y * scale_inv.unsqueeze(-1)).reshape(*x.shape[:-1], y.shape[-2] * block)[..., :k]
 
 
 def dequantize_rows_reference(

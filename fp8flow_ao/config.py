@@ -109,8 +109,13 @@ class FP8FlowConfig(AOBaseConfig):
             ``"bf16"``, the same FP8 forward with its gradients computed in BF16 as torchtitan does, at
             the FP8 forward's values (a gap that stays with it comes from the forward); ``"bf16_wgrad"``,
             FP8-Flow's backward with only the weight gradients in BF16 (splits a backward gap between
-            dgrads and wgrads). See :func:`fp8flow_ao.moe.fp8flow_routed_experts`. ``recipe="blockwise"``
-            only; the ablations without ``recompute_experts`` or expert parallelism, experts eager.
+            dgrads and wgrads). Or an emulation (:data:`fp8flow_ao.moe.EMULATIONS`), which asks what a
+            change to FC1's FP8 dgrad would do to the loss before a kernel is written:
+            ``"emulated_fp8_fc1_dgrad"`` runs that dgrad in BF16 GEMMs on the very values FP8-Flow's FP8
+            GEMM multiplies (dh on its 1x128 grid, the FP8 W13 tiles), ``"emulated_sr_fc1_dgrad"`` the same
+            with dh rounded stochastically (unbiased) instead of to nearest. See
+            :func:`fp8flow_ao.moe.fp8flow_routed_experts`. ``recipe="blockwise"`` only; the ablations
+            without ``recompute_experts`` or expert parallelism, experts eager.
     """
 
     recompute_experts: bool = False
@@ -118,7 +123,9 @@ class FP8FlowConfig(AOBaseConfig):
     module_filter: Callable[[nn.Module, str], bool] | None = None
     weight_cache: Literal["off", "forward", "step"] = "off"
     fsdp_fp8_all_gather: bool = False
-    backward: Literal["fp8", "bf16", "bf16_wgrad", "bf16_fc1_dgrad"] = "fp8"
+    backward: Literal[
+        "fp8", "bf16", "bf16_wgrad", "bf16_fc1_dgrad", "emulated_fp8_fc1_dgrad", "emulated_sr_fc1_dgrad"
+    ] = "fp8"
 
     def __post_init__(self) -> None:
         if not isinstance(self.recompute_experts, bool):

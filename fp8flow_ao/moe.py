@@ -51,11 +51,13 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from fp8flow_ao._checks import check_multiple, check_row_major, check_same_device, check_tensor
+from fp8flow_ao._format import BLOCK, round_rows_to_fp8_grid
 from fp8flow_ao.kernels.dequantize import dequantize
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import grouped_gemm_fp8_blockwise
 from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
 from fp8flow_ao.kernels.permute_pad import permute_pad, permute_pad_rows
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
+from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
 from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose
 from fp8flow_ao.kernels.swiglu_quant import (
     swiglu_backward_reference,
@@ -79,12 +81,17 @@ from fp8flow_ao.weight_cache import (
 )
 
 _HP_DTYPES = (torch.bfloat16, torch.float32)
-BACKWARDS = ("fp8", "bf16_fc1_dgrad", "bf16", "bf16_wgrad")
+BACKWARDS = ("fp8", "bf16_fc1_dgrad", "bf16", "bf16_wgrad", "emulated_fp8_fc1_dgrad", "emulated_sr_fc1_dgrad")
 """How the routed experts' backward runs: FP8-Flow's FP8 backward; the same with FC1's dgrad in BF16
-(:func:`_fc1_dgrad_bf16`); or an ablation (:data:`ABLATIONS`)."""
+(:func:`_fc1_dgrad_bf16`); an ablation (:data:`ABLATIONS`); or an emulation (:data:`EMULATIONS`)."""
 ABLATIONS = ("bf16", "bf16_wgrad")
 """Backwards for locating a loss gap, not for training: FP8 out of all of the backward, or out of its weight
 gradients only (:func:`_grads_bf16`). Eager only, without recompute or expert parallelism."""
+EMULATIONS = {"emulated_fp8_fc1_dgrad": "nearest", "emulated_sr_fc1_dgrad": "stochastic"}
+"""Backwards that ask what a change to FC1's FP8 dgrad would do to the loss before a kernel is written: the
+dgrad in BF16 GEMMs on the values an FP8 GEMM would multiply, dh rounded to the 1x128 FP8 grid (to nearest,
+as FP8-Flow does, or stochastically, unbiased) and the forward's FP8 W13 tiles (:func:`_fc1_dgrad_bf16`).
+Like ``"bf16_fc1_dgrad"`` they compile and work with every option but ``fsdp_fp8_all_gather``."""
 
 
 def _expert_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: WeightOperand, offs: torch.Tensor) -> torch.Tensor:
@@ -232,7 +239,7 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, offs, w1, w2,
     # The weights' exact transposes for the dgrads (and W13 itself when recomputing FC1): kept from
     # forward, or quantized again from the same weights (the same bits), each right before its dgrad
     # and dropped after it, so no FP8 weight copy is alive while the weight gradients are written.
-    fp8_fc1_dgrad = ctx.backward != "bf16_fc1_dgrad"
+    fp8_fc1_dgrad = ctx.backward != "bf16_fc1_dgrad" and ctx.backward not in EMULATIONS
     in_gemm = ctx.weights_in_gemm
     qw13 = (
         weights_for_backward(kept, w1, w2, w3, True, "w13", transpose=fp8_fc1_dgrad, in_gemm=in_gemm)
@@ -268,7 +275,8 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, offs, w1, w2,
     dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs, ctx.score_before)
     # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
     if not fp8_fc1_dgrad:
-        grad_xp = _fc1_dgrad_bf16(grad_a, h, probs_p, offs, ctx.score_before, w1, w3)
+        dh_rounding = EMULATIONS.get(ctx.backward)
+        grad_xp = _fc1_dgrad_bf16(grad_a, h, probs_p, offs, ctx.score_before, w1, w3, dh_rounding)
     else:
         if qw13 is None:
             qw13 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w13", in_gemm=in_gemm)
@@ -314,12 +322,19 @@ def _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, 
     return grad_xp, grad_probs_p, grad_w2.to(w2.dtype), torch.stack(grad_w13.to(w1.dtype).chunk(2, dim=1))
 
 
-def _fc1_dgrad_bf16(grad_a, h, probs_p, offs, score_before, w1, w3):
+def _fc1_dgrad_bf16(grad_a, h, probs_p, offs, score_before, w1, w3, dh_rounding=None):
     """``backward="bf16_fc1_dgrad"``: FC1's dgrad (grad xp ``[M, D]`` BF16) from unquantized operands, as
     torchtitan computes it: dh by SwiGLU's fp32 backward of FP8-Flow's ``grad_a``, rounded to BF16, times the
     BF16 weights (``dh_gate @ w1 + dh_up @ w3``: two GEMMs on dh's halves, so no ``[E, 2H, D]`` weight copy).
+    With ``dh_rounding`` (:data:`EMULATIONS`): dh on its 1x128 FP8 grid instead, rounded ``"nearest"`` or
+    ``"stochastic"``, times the forward's FP8 tiles of w1, w3 (both exact in BF16: an FP8 GEMM's operands).
     Rows past the last group are not defined (unpermute reads real rows only)."""
     dh_gate, dh_up, _ = swiglu_backward_reference(grad_a, h, probs_p, offs, score_before)
+    if dh_rounding is not None:  # H is a multiple of 128: dh's blocks never straddle its halves
+        dh_gate, dh_up = (round_rows_to_fp8_grid(d, BLOCK, dh_rounding) for d in (dh_gate, dh_up))
+        w1, w3 = (
+            dequantize(*quantize_128x128(w, with_transpose=False)[:2], "128x128", torch.bfloat16) for w in (w1, w3)
+        )
     grad_xp = torch._grouped_mm(dh_gate.to(torch.bfloat16), w1.detach().to(torch.bfloat16), offs=offs)
     return grad_xp.add_(torch._grouped_mm(dh_up.to(torch.bfloat16), w3.detach().to(torch.bfloat16), offs=offs))
 
@@ -389,6 +404,8 @@ def fp8flow_routed_experts(
             operands (the dgrads stay FP8). Each ablation needs ``recompute_experts=False`` (it reads
             FC1's saved output), no ``ep_group``, and eager mode (its backward runs autograd on a BF16
             graph, which dynamo cannot trace; the layer's ``fp8flow_compile_backend`` is ignored for it).
+            Or an emulation (:data:`EMULATIONS`): ``"emulated_fp8_fc1_dgrad"`` / ``"emulated_sr_fc1_dgrad"``,
+            FC1's dgrad in BF16 GEMMs on FP8-Flow's own FP8 operands, dh rounded to nearest / stochastically.
         compile_backend: run the path's autograd graph (everything after the argument checks and the
             ``weight_cache="step"`` lookup, which stay eager) under ``torch.compile(fullgraph=True,
             backend=compile_backend)``; ``None``: eagerly. Ignored while dynamo traces the caller (the path

@@ -153,10 +153,24 @@ def test_runs_pair_with_their_seeds_bf16_run_and_bf16_seeds_form_the_noise_floor
         "fp8flow_seed2": run("fp8flow_seed2", "fp8flow", 2, 2.06, 2.0),
         "ablation": run("ablation", "fp8flow_bf16_backward", 0, 2.0, 2.0),
         "fc1": run("fc1", "fp8flow_bf16_fc1_dgrad", 0, 2.0, 2.0) | {"note": "an earlier implementation"},
+        "shared": run("shared", "fp8flow_emulated_sr_fc1_dgrad", 0, 2.0, 2.0) | {"shared_gpu": 2},
     }
     summary = bc.summarize(runs)
     # an FP8 run against its own seed's BF16 run; without one, against bf16; BF16 seeds against bf16
-    assert [summary[n]["baseline"] for n in runs] == [None, "bf16", "bf16", "bf16_seed1", "bf16", "bf16", "bf16"]
+    assert [summary[n]["baseline"] for n in runs] == [
+        None,
+        "bf16",
+        "bf16",
+        "bf16_seed1",
+        "bf16",
+        "bf16",
+        "bf16",
+        "bf16",
+    ]
+    # a run that shared its GPU keeps its gaps but reports no speed (its tokens/s measured the sharing)
+    assert summary["shared"]["tokens_per_s"] is None and summary["shared"]["speedup_vs_bf16"] is None
+    assert summary["shared"]["train_gap_last_half"] == pytest.approx(0.0) and "meets_goal" not in summary["shared"]
+    assert summary["fp8flow"]["tokens_per_s"] == 100 and summary["fp8flow"]["speedup_vs_bf16"] == 1.0
     # the goal is for recipes to train with: an ablation is measured against BF16 but has none
     assert summary["fp8flow"]["meets_goal"] is False and "meets_goal" not in summary["ablation"]
     assert summary["fc1"]["meets_goal"] is True and summary["fc1"]["note"] == "an earlier implementation"
@@ -164,7 +178,8 @@ def test_runs_pair_with_their_seeds_bf16_run_and_bf16_seeds_form_the_noise_floor
     assert summary["fp8flow"]["train_gap_last_half"] == pytest.approx(0.01 / 2)
     by = bc.gaps_by_recipe(summary)
     assert (
-        set(by) == {"bf16", "fp8flow", "fp8flow_bf16_backward", "fp8flow_bf16_fc1_dgrad"}
+        set(by)
+        == {"bf16", "fp8flow", "fp8flow_bf16_backward", "fp8flow_bf16_fc1_dgrad", "fp8flow_emulated_sr_fc1_dgrad"}
         and by["fp8flow"]["runs"] == 3
         and by["fp8flow"]["seeds"] == [0, 1, 2]
     )

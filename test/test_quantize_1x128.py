@@ -7,7 +7,7 @@ import torch
 from conftest import DEVICE
 from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows
 
-from fp8flow_ao._format import FP8_MAX
+from fp8flow_ao._format import FP8_MAX, dequantize_rows_reference, quantize_rows_reference, round_rows_to_fp8_grid
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows_reference
 from fp8flow_ao.kernels.quantize_1x128 import launch_quantize_1x128, quantize_1x128, quantize_1x128_reference
 
@@ -138,3 +138,32 @@ def test_src_rows_out_of_range_with_validation(monkeypatch):
     monkeypatch.setenv("FP8FLOW_VALIDATE", "1")
     with pytest.raises(ValueError, match=r"src_rows values must lie in \[-1, 4\)"):
         quantize_1x128(torch.zeros(4, 128), 128, torch.tensor([0, 4], dtype=torch.int32))
+
+
+def test_round_rows_to_fp8_grid_nearest_is_quantize_then_dequantize():
+    x = torch.randn(37, 300) * torch.logspace(-6, 2, 37)[:, None]
+    data, scale_inv = quantize_rows_reference(x, 128)
+    assert torch.equal(round_rows_to_fp8_grid(x, 128), dequantize_rows_reference(data, scale_inv, 128))
+
+
+def test_round_rows_to_fp8_grid_stochastic_is_unbiased_on_the_same_grid():
+    """Each value lands on one of its two neighbours among the E4M3 values at its block's scale (the nearest
+    rounding's grid, subnormals included); grid values stay put; the mean over draws is the value."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 256) * torch.logspace(-4, 1, 8)[:, None]
+    x[:, 0] = 2.0 ** torch.ceil(torch.log2(x[:, 1:].abs().amax(dim=1)))  # a power of two: on the grid
+    x[:, 1] = x[:, 0] * 2**-12  # E4M3 subnormals at the block's scale
+    _, scale_inv = quantize_rows_reference(x, 128)
+    y = x / scale_inv.repeat_interleave(128, dim=1)
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[torch.isfinite(e4m3)].unique()  # sorted
+    below = e4m3[torch.searchsorted(e4m3, y, right=True) - 1]
+    above = e4m3[torch.searchsorted(e4m3, y)]
+    draws = torch.stack([round_rows_to_fp8_grid(x, 128, "stochastic") for _ in range(400)])
+    draws = draws / scale_inv.repeat_interleave(128, dim=1)
+    assert bool(((draws == below) | (draws == above)).all())
+    assert torch.equal(draws[:, :, 0], y[:, 0].expand(400, -1))
+    # unbiased: the mean's error is within 5 standard errors of a two-point draw (<= gap / 2 / sqrt(n))
+    assert bool(((draws.mean(0) - y).abs() <= 5 * (above - below) / 2 / 400**0.5 + 1e-6).all())
+    with pytest.raises(ValueError, match="rounding must be"):
+        round_rows_to_fp8_grid(x, 128, "down")

@@ -49,15 +49,19 @@ class FP8Flow:
     (``parallelism.expert_parallel_degree > 1``) runs the path eagerly whatever this says ("on" is refused
     there): its all-to-all split sizes are host integers, which no full graph holds. ``recipe = "blockwise"``
     only ("on" is refused with "rowwise", which runs torchtitan's own expert path, compiled by torchtitan).
-    Compiled, ``weight_cache = "step"`` acts as "forward" (its cache is Python state; see weight_cache.py)."""
+    With ``weight_cache = "step"`` the cache lookup runs before the graph and hands it the FP8 tiles."""
 
-    backward: Literal["fp8", "bf16", "bf16_wgrad", "bf16_fc1_dgrad"] = "fp8"
+    backward: Literal[
+        "fp8", "bf16", "bf16_wgrad", "bf16_fc1_dgrad", "emulated_fp8_fc1_dgrad", "emulated_sr_fc1_dgrad"
+    ] = "fp8"
     """"fp8" (FP8-Flow); "bf16_fc1_dgrad", FP8-Flow with FC1's dgrad in BF16 (a loss curve nearer BF16's for one
     BF16 GEMM; works with every other option but fsdp_fp8_all_gather); or an ablation that tells where a loss
     gap to BF16 comes from:
     "bf16" computes the gradients of the same FP8 forward in BF16 (forward or backward?), "bf16_wgrad" only
     the weight gradients (dgrads or wgrads?); ablations are slower than BF16, run the experts eagerly, and
-    refuse ``recompute_experts`` and expert parallelism. See fp8flow_ao.config.FP8FlowConfig."""
+    refuse ``recompute_experts`` and expert parallelism; or an emulation of a change to FC1's FP8 dgrad
+    ("emulated_fp8_fc1_dgrad": its exact FP8 operands in BF16 GEMMs; "emulated_sr_fc1_dgrad": dh rounded
+    stochastically), compiled like "bf16_fc1_dgrad". See fp8flow_ao.config.FP8FlowConfig."""
 
 
 @dataclass
