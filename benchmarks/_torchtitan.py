@@ -27,6 +27,8 @@ RECIPES: dict[str, list[str]] = {
     # FP8-Flow with only its weight gradients in BF16.
     "fp8flow_bf16_backward": ["--model.converters", "fp8flow", "--fp8flow.backward", "bf16"],
     "fp8flow_bf16_wgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "bf16_wgrad"],
+    # FP8-Flow with the routed experts eager (the default compiles them with torchtitan's compile.backend).
+    "fp8flow_eager_experts": ["--model.converters", "fp8flow", "--fp8flow.compile_experts", "off"],
     # Emulations of a change to FC1's FP8 dgrad (compiled, FP8-Flow's speed less one FP8 GEMM).
     "fp8flow_emulated_fc1_dgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "emulated_fp8_fc1_dgrad"],
     "fp8flow_emulated_sr_fc1_dgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "emulated_sr_fc1_dgrad"],
@@ -42,6 +44,7 @@ RECIPE_NAMES = {
     "fp8flow_bf16_backward": "FP8-Flow forward, BF16 backward (ablation)",
     "fp8flow_bf16_wgrad": "FP8-Flow, BF16 weight gradients (ablation)",
     "fp8flow_bf16_fc1_dgrad": "FP8-Flow, BF16 FC1 dgrad",
+    "fp8flow_eager_experts": "FP8-Flow, routed experts not compiled (ablation)",
     "fp8flow_emulated_fc1_dgrad": "FP8-Flow, FC1 dgrad emulated in BF16 (ablation)",
     "fp8flow_emulated_sr_fc1_dgrad": "FP8-Flow, FC1 dgrad on stochastically rounded dh, emulated (ablation)",
 }
@@ -80,7 +83,8 @@ def train(args: list[str], device: str, probe_every: int = 0):
     from torchtitan.config import ConfigManager
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    # A free port, not a fixed one: runs sharing a GPU (`.ci/gpu OUT convergence`) start side by side.
+    os.environ.setdefault("MASTER_PORT", str(cpu._free_port()))
     try:
         return train_recorded(ConfigManager().parse_args(args), probe_every)
     finally:
