@@ -7,16 +7,21 @@ write elsewhere (the GPU runner writes under ``$OUT``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
+import math
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -311,6 +316,247 @@ def import_deep_gemm() -> Any | None:
         print(f"skipping the DeepGEMM rows: deep_gemm is not importable ({type(exc).__name__}: {exc})")
         return None
     return deep_gemm
+
+
+# NVML's clock event reasons (nvmlClocksEventReason*): the bits of nvidia-smi's clocks_event_reasons.active.
+CLOCK_EVENT_REASONS = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+
+
+def decode_clock_reasons(mask: int) -> list[str]:
+    """The names of the reasons set in an NVML clock event mask; bits NVML had not named here stay hex."""
+    names = [name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit]
+    unknown = mask & ~sum(CLOCK_EVENT_REASONS)
+    return names + ([hex(unknown)] if unknown else [])
+
+
+class ClockSample(NamedTuple):
+    """One nvidia-smi line: ``t`` on ``time.monotonic()``'s clock; a field nvidia-smi could not give is None."""
+
+    t: float
+    sm_mhz: float | None
+    mem_mhz: float | None
+    power_w: float | None
+    temp_c: float | None
+    reasons: int | None  # NVML clock event reason mask
+
+
+def _number(field: str) -> float | None:
+    try:
+        x = float(field)
+    except ValueError:  # "[N/A]", "[Not Supported]", "[Unknown Error]"
+        return None
+    return x if math.isfinite(x) else None
+
+
+def parse_clock_line(line: str, arrival: float) -> ClockSample | None:
+    """A :class:`ClockSample` from one ``timestamp, sm, mem, power, temp, reasons`` CSV line that arrived at
+    monotonic time ``arrival``, or None for anything else (an error message, a short line).
+
+    The sample is placed at nvidia-smi's own timestamp when that parses and lies within a minute of the
+    arrival (a pipe may deliver lines in bursts; the minute guards against a clock or time-zone mismatch),
+    else at its arrival."""
+    fields = [f.strip() for f in line.split(",")]
+    if len(fields) != 6:
+        return None
+    stamp, sm, mem, power, temp, reasons = fields
+    values = [_number(f) for f in (sm, mem, power, temp)]
+    try:  # nvidia-smi writes the mask as 0x and 16 hex digits; anything else ("[Not Supported]") is no mask
+        mask: int | None = int(reasons, 16) if reasons.lower().startswith("0x") else None
+    except ValueError:
+        mask = None
+    if all(v is None for v in values) and mask is None:
+        return None
+    t = arrival
+    with contextlib.suppress(ValueError):
+        wall = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        stamped = wall - (time.time() - time.monotonic())
+        t = stamped if abs(stamped - arrival) < 60 else arrival
+    return ClockSample(t, *values, mask)
+
+
+def summarize_clocks(samples: Sequence[ClockSample]) -> dict[str, Any]:
+    """Median and minimum SM clock (MHz), median memory clock and power (W), hottest temperature (C), the
+    union of the clock event reasons over ``samples`` (sorted names; [] when none was active) and their
+    count. A value no sample gave is None."""
+
+    def values(name: str) -> list[float]:
+        return [v for s in samples if (v := getattr(s, name)) is not None]
+
+    sm, mem, power, temp = values("sm_mhz"), values("mem_mhz"), values("power_w"), values("temp_c")
+    masks = [s.reasons for s in samples if s.reasons is not None]
+    return {
+        "sm_mhz_median": round(statistics.median(sm)) if sm else None,
+        "sm_mhz_min": round(min(sm)) if sm else None,
+        "mem_mhz_median": round(statistics.median(mem)) if mem else None,
+        "power_w_median": round(statistics.median(power), 1) if power else None,
+        "temp_c_max": round(max(temp)) if temp else None,
+        "throttle_reasons": sorted({n for m in masks for n in decode_clock_reasons(m)}) if masks else None,
+        "samples": len(samples),
+    }
+
+
+class ClockInterval:
+    """A span of monotonic time marked by :meth:`GpuClockLog.interval`; :meth:`summary` of its samples."""
+
+    def __init__(self, log: GpuClockLog):
+        self.log = log
+        self.start = time.monotonic()
+        self.end: float | None = None  # set when the ``with`` block ends
+
+    def summary(self) -> dict[str, Any]:
+        """:func:`summarize_clocks` of the samples taken in the interval (so far, if it is still open).
+
+        Waits up to two sampling periods for a sample from after the interval, so the last one has arrived:
+        ask after other work (as :func:`bench_moe_layer.measure` does) and there is nothing to wait for."""
+        end = time.monotonic() if self.end is None else self.end
+        self.log.wait_for_sample_after(end)
+        return summarize_clocks([s for s in list(self.log.samples) if self.start <= s.t <= end])
+
+
+class GpuClockLog:
+    """SM and memory clocks, power, temperature and clock event reasons of one GPU, sampled by
+    ``nvidia-smi -lms`` in a background process while the benchmark runs, so that each timing can carry
+    the clocks it ran at (issue 11: do the FP8 repetitions' 8-17% swings follow throttled SM clocks?)::
+
+        with GpuClockLog(nvidia_smi_id()) as log:
+            with log.interval() as iv:
+                ...  # timed work
+            iv.summary()  # {"sm_mhz_median": 1980, "throttle_reasons": ["sw_power_cap"], "samples": 12, ...}
+
+    One log per process: nvidia-smi costs a process, not a sample. It never fails the benchmark: without
+    nvidia-smi, or when it refuses the query, one warning is printed, ``error`` says why, and every summary
+    has None values and 0 samples (as has a log never started).
+    """
+
+    FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu"
+    # NVML renamed the throttle reasons "clock event reasons" in R535: older drivers know only the old name.
+    REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+
+    def __init__(self, device: int | str = 0, period_ms: int = 50, start_timeout_s: float = 10.0):
+        self.device, self.period_ms, self.start_timeout_s = str(device), period_ms, start_timeout_s
+        self.samples: list[ClockSample] = []  # appended by the reader thread only
+        self.reason_field: str | None = None  # the name that worked
+        self.error: str | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> GpuClockLog:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start nvidia-smi, with the older reasons field name if the newer one makes it exit with an error."""
+        exe = shutil.which("nvidia-smi")
+        errors = [] if exe else ["nvidia-smi not found on PATH"]
+        for field in self.REASON_FIELDS if exe else ():
+            error = self._launch(exe, field)
+            if error is None:
+                self.reason_field = field
+                return
+            errors.append(f"{field}: {error}")
+        self.error = "; ".join(errors)
+        print(f"WARNING GpuClockLog: no GPU clock samples ({self.error})", file=sys.stderr)
+
+    def _launch(self, exe: str, field: str) -> str | None:
+        """Start nvidia-smi querying ``field`` too and wait for its first sample: None once it gives one (or
+        is still running at ``start_timeout_s``), else why it did not."""
+        cmd = [exe, f"--query-gpu={self.FIELDS},{field}", "--format=csv,noheader,nounits"]
+        cmd += ["-lms", str(self.period_ms), "-i", self.device]
+        stdbuf = shutil.which("stdbuf")
+        cmd = [stdbuf, "-oL", *cmd] if stdbuf else cmd  # line-buffered, should nvidia-smi not flush into a pipe
+        try:  # stderr into stdout: nvidia-smi prints some errors on either, and one pipe cannot fill unread
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                errors="replace",
+            )  # fmt: skip
+        except OSError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        first, ended, other = threading.Event(), threading.Event(), []
+        reader = threading.Thread(target=self._read, args=(proc, first, ended, other), daemon=True)
+        reader.start()
+        first.wait(self.start_timeout_s)
+        if self.samples or not ended.is_set():  # sampling, or still starting: samples may come later
+            self._proc, self._reader = proc, reader
+            return None
+        try:  # its output ended: it exits (poll() may not say so yet)
+            status = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            status = proc.wait()
+        reader.join(1)
+        return f"exit status {status}: {' | '.join(other) or 'no output'}"
+
+    def _read(
+        self, proc: subprocess.Popen[str], first: threading.Event, ended: threading.Event, other: list[str]
+    ) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sample = parse_clock_line(line, time.monotonic())
+            if sample is None:  # an error message: the last few are kept for the warning
+                other.append(line.strip()[:200])
+                del other[:-3]
+            else:
+                self.samples.append(sample)
+                first.set()
+        ended.set()
+        first.set()  # start() need not wait on
+
+    def stop(self) -> None:
+        """Terminate nvidia-smi (kill it if it lingers) and let the reader thread finish."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=2)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    @contextlib.contextmanager
+    def interval(self) -> Iterator[ClockInterval]:
+        """Mark the ``with`` block's span; the yielded :class:`ClockInterval` summarizes its samples."""
+        iv = ClockInterval(self)
+        try:
+            yield iv
+        finally:
+            iv.end = time.monotonic()
+
+    def wait_for_sample_after(self, t: float) -> None:
+        """Wait (at most two sampling periods, and only while nvidia-smi runs) for a sample later than ``t``."""
+        deadline = time.monotonic() + 2 * self.period_ms / 1e3
+        while self._proc is not None and self._proc.poll() is None and time.monotonic() < deadline:
+            if self.samples and self.samples[-1].t > t:
+                return
+            time.sleep(self.period_ms / 4e3)
+
+
+def nvidia_smi_id(index: int | None = None) -> str:
+    """CUDA device ``index`` (default: the current one) as nvidia-smi's ``-i`` takes it: ``GPU-<uuid>``, since
+    nvidia-smi numbers GPUs in PCI order whatever CUDA_VISIBLE_DEVICES says; the index where torch has no UUID."""
+    index = torch.cuda.current_device() if index is None else index
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+    if not uuid:
+        return str(index)
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
 def require_cuda(name: str) -> bool:

@@ -41,7 +41,9 @@ gradients) over ``--repeats`` repetitions (each itself a median of do_bench's ru
 untimed repetition: the first measured repetition ran up to 15% slow in earlier runs -- clocks and the
 allocator settling after compilation -- and set the spread), with the
 repetitions' min and max and their spread (``(max - min) / median``); the speed-up is the ratio of
-the medians, ``speedup_range`` the worst and best pairing of repetitions; speed-up of FP8-Flow over each baseline; TFLOP/s at 18*T*k*D*H model FLOPs; the
+the medians, ``speedup_range`` the worst and best pairing of repetitions; each repetition's time, the median
+SM clock during it and the clock event reasons NVML gave (``_bench.GpuClockLog``: one ``nvidia-smi -lms 50``
+for the run; issue 11 asks whether the FP8 variants' wider spread follows the clock); speed-up of FP8-Flow over each baseline; TFLOP/s at 18*T*k*D*H model FLOPs; the
 activation memory held for backward (``memory_allocated`` after the forward minus before, less the
 output itself; weights allocated before are not counted, FP8 weight copies made in the forward are,
 and their estimated size is reported beside it: at the DeepSeek-like shape they are about 1.4 GB)
@@ -82,7 +84,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from _bench import bench_us, host_and_device_us, n_rotations, row, skewed_counts, write_results
+from _bench import (
+    GpuClockLog,
+    bench_us,
+    host_and_device_us,
+    n_rotations,
+    nvidia_smi_id,
+    row,
+    skewed_counts,
+    write_results,
+)
 from torch import nn
 
 from fp8flow_ao.shapes import DEEPSEEK_V3, LLAMA4_SCOUT, QWEN3_30B_A3B, MoEShape
@@ -277,6 +288,7 @@ class Measured:
     act_mib: float  # held for backward: allocated after forward - before - the output
     weight_cache_mib: float  # held across steps by weight_cache="step" (allocated before, in neither figure)
     peak_mib: float  # forward + backward peak above the state before the forward
+    reps_clock: list[dict]  # per repetition: the GPU's clocks while it ran (_bench.summarize_clocks)
 
     @property
     def us(self) -> float:
@@ -287,10 +299,22 @@ class Measured:
         return 100 * (max(self.reps_us) - min(self.reps_us)) / self.us
 
 
-def measure(block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int) -> Measured:
+def measure(
+    block: nn.Module,
+    inputs: list[tuple[torch.Tensor, torch.Tensor]],
+    repeats: int,
+    clocks: GpuClockLog | None = None,
+) -> Measured:
+    """Time ``repeats`` repetitions of forward + backward, each with the clocks ``clocks`` logged during it
+    (none without a log), then the memory it holds."""
+    clocks = clocks or GpuClockLog()  # one never started: summaries of None
     step = make_step(block)
     bench_us(step, inputs)  # an untimed repetition first (see the module docstring)
-    reps_us = [bench_us(step, inputs) for _ in range(repeats)]
+    reps_us, intervals = [], []
+    for _ in range(repeats):
+        with clocks.interval() as iv:
+            reps_us.append(bench_us(step, inputs))
+        intervals.append(iv)
     x, dy = inputs[0]
     step(x, dy)
     for p in block.parameters():
@@ -309,7 +333,9 @@ def measure(block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], r
     del out
     from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE
 
-    return Measured(reps_us, held / 2**20, EXPERT_WEIGHT_CACHE.nbytes() / 2**20, peak / 2**20)
+    # summarized last: by now nvidia-smi has delivered the last repetition's samples too
+    reps_clock = [iv.summary() for iv in intervals]
+    return Measured(reps_us, held / 2**20, EXPERT_WEIGHT_CACHE.nbytes() / 2**20, peak / 2**20, reps_clock)
 
 
 def _gemm_label(name: str, shapes: list, shape: MoEShape) -> str:
@@ -488,7 +514,7 @@ def prepare(name: str) -> Case:
     return Case(name, shape, tokens, build_bf16(shape), inputs, FixedRouting(tokens, shape.top_k), {})
 
 
-def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> list[dict]:
+def run_variant(case: Case, variant: str, repeats: int, notes: list[str], clocks: GpuClockLog) -> list[dict]:
     """Compile ``variant`` of ``case`` once, measure it under every routing; FP8-Flow's stage rows."""
     from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE
 
@@ -499,7 +525,7 @@ def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> lis
     stage_rows = []
     for kind in ROUTINGS:
         case.fixed.set(routing(kind, case.tokens, case.shape.top_k, case.shape.experts))
-        case.results[kind, variant] = measure(compiled, case.inputs, repeats)
+        case.results[kind, variant] = measure(compiled, case.inputs, repeats, clocks)
         if variant in OURS and kind == "balanced" and variant not in CUDA_GRAPHED:
             try:
                 stages, host_us, device_us, host_fns = stage_breakdown(
@@ -549,7 +575,12 @@ def run_variant(case: Case, variant: str, repeats: int, notes: list[str]) -> lis
 
 
 def run_all(
-    cases: list[Case], variants: tuple[str, ...], repeats: int, deadline: float, notes: list[str]
+    cases: list[Case],
+    variants: tuple[str, ...],
+    repeats: int,
+    deadline: float,
+    notes: list[str],
+    clocks: GpuClockLog,
 ) -> tuple[list[dict], bool]:
     """Every variant of every case, variant by variant (BF16 and FP8-Flow first, so a tight budget skips
     the slow baselines); returns the stage rows and whether an FP8-Flow variant failed."""
@@ -561,7 +592,7 @@ def run_all(
                 continue
             start = time.monotonic()
             try:
-                stage_rows += run_variant(case, variant, repeats, notes)
+                stage_rows += run_variant(case, variant, repeats, notes, clocks)
             except Exception as exc:  # one variant failing must not hide the others' numbers
                 first_line = str(exc).splitlines()[0][:300].rstrip(".") if str(exc) else ""
                 notes.append(f"{case.name}/{variant}: failed: {type(exc).__name__}: {first_line}.")
@@ -571,6 +602,19 @@ def run_all(
             torch.cuda.empty_cache()
             print(f"{case.name}/{variant}: {time.monotonic() - start:.0f} s", flush=True)
     return stage_rows, ours_failed
+
+
+def _sm_mhz(m: Measured) -> list[int | None] | None:
+    """Each repetition's median SM clock; None when no repetition has a clock sample."""
+    mhz = [c["sm_mhz_median"] for c in m.reps_clock]
+    return mhz if any(x is not None for x in mhz) else None
+
+
+def _throttle(m: Measured) -> str | None:
+    """The clock event reasons active in any sample of any repetition, "+"-joined ("none" when none was);
+    None when no repetition has a sample with reasons."""
+    seen = [c["throttle_reasons"] for c in m.reps_clock if c["throttle_reasons"] is not None]
+    return ("+".join(sorted(set().union(*seen))) or "none") if seen else None
 
 
 def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str, str], Measured]) -> list[dict]:
@@ -599,6 +643,9 @@ def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str
                 baseline_spread_pct=round(base.spread_pct, 1),
                 speedup_range=[round(min(base.reps_us) / max(ours.reps_us), 3),
                                round(max(base.reps_us) / min(ours.reps_us), 3)],
+                ours_reps_us=[round(u) for u in ours.reps_us], baseline_reps_us=[round(u) for u in base.reps_us],
+                ours_sm_mhz=_sm_mhz(ours), baseline_sm_mhz=_sm_mhz(base),
+                ours_throttle=_throttle(ours), baseline_throttle=_throttle(base),
             )  # fmt: skip
             if variant in CUDA_GRAPHED or baseline in CUDA_GRAPHED:
                 # a CUDA graph's buffers live in its private pool, which the allocator's counters leave out
@@ -652,15 +699,22 @@ def main() -> None:
     else:
         notes = []
     cases = [prepare(name) for name in args.cases]
-    stage_rows, ours_failed = run_all(cases, variants, args.repeats, deadline, notes)
+    with GpuClockLog(nvidia_smi_id()) as clocks:  # one nvidia-smi for the whole run
+        stage_rows, ours_failed = run_all(cases, variants, args.repeats, deadline, notes, clocks)
     rows = [r for c in cases for r in result_rows(c.name, c.shape, c.tokens, c.results)]
     notes.append(
         f"ours_us/baseline_us: median over {args.repeats} repetitions of the median forward + backward "
         "(torch.compile, bf16 params), spread = (max - min) / median of the repetitions; act_mem: memory held "
         "for backward after the forward (output excluded; FP8-Flow keeps no weight copies: it re-quantizes the "
         "weights' transposes in backward, except fp8flow_wt_forward, which keeps the forward's, and "
-        "fp8flow_wt_step, which takes both from its cache: weight_cache_mib, held across steps); tflops at 18*T*k*D*H."
+        "fp8flow_wt_step, which takes both from its cache: weight_cache_mib, held across steps); tflops at 18*T*k*D*H. "
+        "ours_reps_us/baseline_reps_us: each repetition's median; ours_sm_mhz/baseline_sm_mhz: the median SM clock "
+        f"(MHz, nvidia-smi every {clocks.period_ms} ms) during each repetition; ours_throttle/baseline_throttle: "
+        "the NVML clock event reasons active in any sample of the repetitions (sw_power_cap: power limit, "
+        "*_thermal_slowdown: temperature, gpu_idle: the GPU waited on the host; none: no reason)."
     )
+    if clocks.error:
+        notes.append(f"No GPU clock samples ({clocks.error}): the clock columns are empty.")
     # A subset of the cases gets its own files, so running the cases one at a time keeps both.
     name = "moe_layer" if set(args.cases) == set(CASES) else "moe_layer_" + "_".join(sorted(args.cases))
     name += f"_{args.tag}" if args.tag else ""
