@@ -289,6 +289,7 @@ class Measured:
     weight_cache_mib: float  # held across steps by weight_cache="step" (allocated before, in neither figure)
     peak_mib: float  # forward + backward peak above the state before the forward
     reps_clock: list[dict]  # per repetition: the GPU's clocks while it ran (_bench.summarize_clocks)
+    reps_cuda_mallocs: list[int]  # per repetition: the caching allocator's cudaMalloc + cudaFree calls (each syncs)
 
     @property
     def us(self) -> float:
@@ -297,6 +298,13 @@ class Measured:
     @property
     def spread_pct(self) -> float:
         return 100 * (max(self.reps_us) - min(self.reps_us)) / self.us
+
+
+def cuda_mallocs() -> int:
+    """cudaMalloc + cudaFree calls of the caching allocator so far (and its retries after a failed malloc,
+    which free the cache): each stalls the host and can serialize the device; a warm step makes none."""
+    stats = torch.cuda.memory_stats()
+    return sum(stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries"))
 
 
 def measure(
@@ -311,10 +319,13 @@ def measure(
     step = make_step(block)
     bench_us(step, inputs)  # an untimed repetition first (see the module docstring)
     reps_us, intervals = [], []
+    reps_mallocs = []
     for _ in range(repeats):
+        before = cuda_mallocs()
         with clocks.interval() as iv:
             reps_us.append(bench_us(step, inputs))
         intervals.append(iv)
+        reps_mallocs.append(cuda_mallocs() - before)
     x, dy = inputs[0]
     step(x, dy)
     for p in block.parameters():
@@ -335,7 +346,7 @@ def measure(
 
     # summarized last: by now nvidia-smi has delivered the last repetition's samples too
     reps_clock = [iv.summary() for iv in intervals]
-    return Measured(reps_us, held / 2**20, EXPERT_WEIGHT_CACHE.nbytes() / 2**20, peak / 2**20, reps_clock)
+    return Measured(reps_us, held / 2**20, EXPERT_WEIGHT_CACHE.nbytes() / 2**20, peak / 2**20, reps_clock, reps_mallocs)
 
 
 def _gemm_label(name: str, shapes: list, shape: MoEShape) -> str:
@@ -646,6 +657,7 @@ def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str
                 ours_reps_us=[round(u) for u in ours.reps_us], baseline_reps_us=[round(u) for u in base.reps_us],
                 ours_sm_mhz=_sm_mhz(ours), baseline_sm_mhz=_sm_mhz(base),
                 ours_throttle=_throttle(ours), baseline_throttle=_throttle(base),
+                ours_cuda_mallocs=ours.reps_cuda_mallocs, baseline_cuda_mallocs=base.reps_cuda_mallocs,
             )  # fmt: skip
             if variant in CUDA_GRAPHED or baseline in CUDA_GRAPHED:
                 # a CUDA graph's buffers live in its private pool, which the allocator's counters leave out
@@ -711,7 +723,9 @@ def main() -> None:
         "ours_reps_us/baseline_reps_us: each repetition's median; ours_sm_mhz/baseline_sm_mhz: the median SM clock "
         f"(MHz, nvidia-smi every {clocks.period_ms} ms) during each repetition; ours_throttle/baseline_throttle: "
         "the NVML clock event reasons active in any sample of the repetitions (sw_power_cap: power limit, "
-        "*_thermal_slowdown: temperature, gpu_idle: the GPU waited on the host; none: no reason)."
+        "*_thermal_slowdown: temperature, gpu_idle: the GPU waited on the host; none: no reason); "
+        "ours_cuda_mallocs/baseline_cuda_mallocs: the caching allocator's cudaMalloc + cudaFree calls (+ retries) "
+        "in each repetition (0 once the allocator is warm)."
     )
     if clocks.error:
         notes.append(f"No GPU clock samples ({clocks.error}): the clock columns are empty.")
