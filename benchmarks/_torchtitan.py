@@ -33,6 +33,10 @@ RECIPES: dict[str, list[str]] = {
     "fp8flow_emulated_fc1_dgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "emulated_fp8_fc1_dgrad"],
     "fp8flow_emulated_sr_fc1_dgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "emulated_sr_fc1_dgrad"],
 }
+SAME_NUMERICS = {"fp8flow_eager_experts": "fp8flow"}
+"""Recipes that train bit for bit as another one (what the report pools them with): FP8-Flow's routed path
+compiled (the default) and eager give identical outputs and gradients in torchtitan's one-GPU setting
+(fp32 parameters, bf16 autocast; the fp8flow_gpu flavor's shapes, H200)."""
 TRAINING_RECIPES = ("bf16", "rowwise", "fp8flow", "fp8flow_bf16_fc1_dgrad")
 """The recipes a user trains with (each with a convergence goal); the rest are ablations."""
 E2E_RECIPES = ("bf16", "rowwise", "fp8flow")

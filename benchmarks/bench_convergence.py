@@ -86,7 +86,16 @@ from typing import Any
 
 import torch
 from _bench import RESULTS_DIR, device_name, versions
-from _torchtitan import RECIPE_NAMES, REPO, TRAINING_RECIPES, common_args, recipe_args, tokens_per_s, train
+from _torchtitan import (
+    RECIPE_NAMES,
+    REPO,
+    SAME_NUMERICS,
+    TRAINING_RECIPES,
+    common_args,
+    recipe_args,
+    tokens_per_s,
+    train,
+)
 
 CONFIG = REPO / "torchtitan_configs/deepseek_v3_fp8flow_gpu_convergence.toml"
 BASELINE = "bf16"
@@ -215,14 +224,28 @@ def load_runs(runs_dir: Path) -> dict[str, dict[str, Any]]:
     return runs
 
 
-def paired_baseline(name: str, run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str | None:
-    """The BF16 run ``name`` is compared with: for an FP8 run the BF16 run of its seed (``bf16`` when no
-    BF16 run has that seed); for a BF16 run other than ``bf16``, ``bf16`` itself (its gap is the noise
-    floor: what a different seed alone moves the loss); None for ``bf16``."""
+def paired_baselines(name: str, run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> list[str]:
+    """The BF16 runs ``name`` is compared with, as their mean curve (:func:`mean_run`): for an FP8 run every
+    BF16 run of its seed (``bf16`` when no BF16 run has that seed); for a BF16 run the BF16 runs of its seed
+    named before it (a same-seed repeat: its gap is run-to-run noise), else ``bf16`` (another seed: its gap
+    is what the initialization alone moves); none for ``bf16``."""
+    bf16 = sorted(n for n, r in runs.items() if r["recipe"] == BASELINE)
+    same_seed = [n for n in bf16 if runs[n]["seed"] == run["seed"]]
     if run["recipe"] == BASELINE:
-        return None if name == BASELINE else BASELINE
-    same_seed = sorted(n for n, r in runs.items() if r["recipe"] == BASELINE and r["seed"] == run["seed"])
-    return BASELINE if not same_seed or BASELINE in same_seed else same_seed[0]
+        earlier = [n for n in same_seed if n < name]
+        return [] if name == BASELINE else earlier or [BASELINE]
+    return same_seed or [BASELINE]
+
+
+def mean_run(names: list[str], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The step-by-step mean of runs ``names`` (losses; held-out losses at the steps all of them evaluated)."""
+    chosen = [runs[n] for n in names]
+    steps = set.intersection(*(set(r["validation"]) for r in chosen))
+    return {
+        "name": "+".join(names),
+        "losses": [statistics.fmean(v) for v in zip(*(r["losses"] for r in chosen), strict=True)],
+        "validation": {s: statistics.fmean(r["validation"][s] for r in chosen) for s in steps},
+    }
 
 
 def own_tokens_per_s(run: dict[str, Any]) -> int | None:
@@ -239,23 +262,25 @@ def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out = {}
     for name, r in runs.items():
         last_val = max(r["validation"], key=int) if r["validation"] else None
-        base_name = paired_baseline(name, r, runs)
+        base_names = paired_baselines(name, r, runs)
         row = {
             "recipe": r["recipe"],
+            "numerics": SAME_NUMERICS.get(r["recipe"], r["recipe"]),  # what the report pools the run with
             "seed": r["seed"],
-            "baseline": base_name,
+            "baseline": "+".join(base_names) or None,
+            "baseline_runs": len(base_names),
             "steps": len(r["losses"]),
             "final_loss_smoothed": round(ema(r["losses"])[-1], 4),
             "final_heldout_loss": round(r["validation"][last_val], 4) if last_val else None,
             "tokens_per_s": own_tokens_per_s(r),
-            "speedup_vs_bf16": _ratio(own_tokens_per_s(r), own_tokens_per_s(runs[base_name or BASELINE])),
+            "speedup_vs_bf16": _ratio(own_tokens_per_s(r), own_tokens_per_s(runs[BASELINE])),
             "peak_mem_gib": None if r["peak_mem_gib"] is None else round(r["peak_mem_gib"], 2),
             "epochs": r["corpus"]["epochs"],
         }
         if "note" in r:  # what a run's figures do not say (e.g. an implementation since replaced)
             row["note"] = r["note"]
-        if base_name is not None:
-            g = gaps(r, runs[base_name])
+        if base_names:
+            g = gaps(r, mean_run(base_names, runs))
             row.update({k: v for k, v in g.items() if k != "heldout_gap_by_step"})
             row["heldout_gap_by_step"] = {s: round(v, 5) for s, v in g["heldout_gap_by_step"].items()}
             if r["recipe"] != BASELINE and r["recipe"] in TRAINING_RECIPES:  # ablations have no goal
@@ -267,26 +292,88 @@ def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def gaps_by_recipe(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per recipe, the gaps of its runs to their paired BF16 runs over seeds: mean, min, max, count.
+GAP_KEYS = ("train_gap_last_half", "heldout_gap_final")
 
-    For ``bf16`` these are the other seeds' BF16 runs against seed 0's: the noise floor an FP8 gap is
-    read against. A recipe measured on one seed has a mean of one gap (count 1).
-    """
+
+def run_noise(summary: dict[str, Any]) -> dict[str, Any]:
+    """The noise of one run's gap, from the runs that repeat a recipe and seed: per gap, the pooled standard
+    deviation ``sigma`` (FP8 runs: spread around their group's mean; a BF16 same-seed repeat: its gap to the
+    mean of its ``k`` earlier runs, whose variance is ``sigma**2 * (1 + 1/k)``) and its degrees of freedom.
+    Identical setups do not train identically here (non-deterministic kernels; the divergence grows over
+    the run), so one run's gap is its recipe's effect plus this noise."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in summary.values():
+        if r["recipe"] != BASELINE and r["baseline"] is not None:
+            groups.setdefault((r["numerics"], r["seed"]), []).append(r)
+    repeats = [r for r in summary.values() if r["recipe"] == BASELINE and r["baseline_runs"] and _same_seed(r, summary)]
     out = {}
-    for recipe in dict.fromkeys(r["recipe"] for r in summary.values()):
-        rows = [r for r in summary.values() if r["recipe"] == recipe and r["baseline"] is not None]
+    for key in GAP_KEYS:
+        squares, dof = 0.0, 0
+        for rows in groups.values():
+            values = [r[key] for r in rows if r[key] is not None]
+            if len(values) > 1:
+                mean = statistics.fmean(values)
+                squares += sum((v - mean) ** 2 for v in values)
+                dof += len(values) - 1
+        for r in repeats:
+            if r[key] is not None:
+                squares += r[key] ** 2 / (1 + 1 / r["baseline_runs"])
+                dof += 1
+        out[key] = {"sigma": math.sqrt(squares / dof) if dof else None, "dof": dof}
+    return out
+
+
+def _same_seed(row: dict[str, Any], summary: dict[str, Any]) -> bool:
+    """Whether a BF16 row's baseline runs have its seed (a repeat, not another initialization)."""
+    return all(summary[n]["seed"] == row["seed"] for n in row["baseline"].split("+"))
+
+
+def gaps_by_recipe(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per recipe (runs of :data:`SAME_NUMERICS` recipes pooled with theirs), the gaps of its runs to their BF16 baselines: mean, min, max, count, and for FP8 recipes the
+    mean's standard error from the per-run noise (:func:`run_noise`): ``sigma * sqrt(1/n + sum_s (n_s/n)**2 /
+    m_s)`` for ``n`` runs, ``n_s`` of them on seed ``s``, whose baseline averages ``m_s`` BF16 runs. A
+    recipe to train with gets a verdict on the goal: "met" when ``mean +- 2 SE`` lies inside
+    ``+-GOAL_GAP`` for both gaps, "missed" when it lies outside for either, else "undecided" (more runs
+    would tell).
+
+    For ``bf16`` the gaps are the noise itself: same-seed repeats and other seeds against seed 0.
+    """
+    noise = run_noise(summary)
+    out = {}
+    for recipe in dict.fromkeys(r["numerics"] for r in summary.values()):
+        rows = [r for r in summary.values() if r["numerics"] == recipe and r["baseline"] is not None]
         if not rows:
             continue
         out[recipe] = {"runs": len(rows), "seeds": sorted({r["seed"] for r in rows})}
-        for key in ("train_gap_last_half", "heldout_gap_final"):
-            values = [r[key] for r in rows if r[key] is not None]
-            out[recipe][key] = {
+        for key in GAP_KEYS:
+            kept = [r for r in rows if r[key] is not None]
+            values = [r[key] for r in kept]
+            stats: dict[str, Any] = {
                 "mean": statistics.fmean(values) if values else None,
                 "min": min(values, default=None),
                 "max": max(values, default=None),
             }
+            sigma = noise[key]["sigma"]
+            if recipe != BASELINE and values and sigma is not None:
+                n = len(kept)
+                per_seed = {r["seed"]: (sum(q["seed"] == r["seed"] for q in kept), r["baseline_runs"]) for r in kept}
+                stats["se"] = sigma * math.sqrt(1 / n + sum((ns / n) ** 2 / ms for ns, ms in per_seed.values()))
+            out[recipe][key] = stats
+        if recipe in TRAINING_RECIPES and recipe != BASELINE:
+            out[recipe]["goal"] = _verdict([out[recipe][k] for k in GAP_KEYS])
     return out
+
+
+def _verdict(stats: list[dict[str, Any]]) -> str:
+    """ "met" / "missed" / "undecided": where ``mean +- 2 SE`` of every gap lies against ``+-GOAL_GAP``."""
+    if any(s.get("se") is None for s in stats):
+        return "undecided"
+    bounds = [(s["mean"] - 2 * s["se"], s["mean"] + 2 * s["se"]) for s in stats]
+    if all(lo >= -GOAL_GAP and hi <= GOAL_GAP for lo, hi in bounds):
+        return "met"
+    if any(lo > GOAL_GAP or hi < -GOAL_GAP for lo, hi in bounds):
+        return "missed"
+    return "undecided"
 
 
 def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
@@ -297,26 +384,48 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_gap, ax_val) = plt.subplots(3, 1, figsize=(9, 10), sharex=True, height_ratios=(3, 1.5, 1.5))
-    for i, (name, r) in enumerate(runs.items()):
-        color = f"C{i}"
-        steps = range(1, len(r["losses"]) + 1)
-        smooth = ema(r["losses"])
-        ax_loss.plot(steps, r["losses"], color=color, alpha=0.2, linewidth=0.5)
-        ax_loss.plot(steps, smooth, color=color, label=f"{name} ({RECIPE_NAMES[r['recipe']]})")
-        base_name = paired_baseline(name, r, runs)
-        if base_name is not None:
-            base = ema(runs[base_name]["losses"])
-            gap = [100 * (s / b - 1) for s, b in zip(smooth, base, strict=False)]
-            ax_gap.plot(steps, gap, color=color, label=f"{name} vs {base_name}")
-        val = sorted((int(s), v) for s, v in r["validation"].items())
-        ax_val.plot([s for s, _ in val], [v for _, v in val], "o-", color=color, label=name)
+    by_recipe: dict[str, list[str]] = {}
+    for name, r in runs.items():
+        by_recipe.setdefault(SAME_NUMERICS.get(r["recipe"], r["recipe"]), []).append(name)
+    for i, (recipe, names) in enumerate(by_recipe.items()):  # one curve per recipe: the mean of its runs
+        color = f"C{i % 10}"
+        mean = mean_run(names, runs)
+        steps = range(1, len(mean["losses"]) + 1)
+        ax_loss.plot(steps, mean["losses"], color=color, alpha=0.15, linewidth=0.5)
+        ax_loss.plot(
+            steps,
+            ema(mean["losses"]),
+            color=color,
+            label=f"{RECIPE_NAMES[recipe]} ({len(names)} run{'s' * (len(names) > 1)})",
+        )
+        curves = [
+            [
+                100 * (a / b - 1)
+                for a, b in zip(ema(runs[n]["losses"]), ema(mean_run(base, runs)["losses"]), strict=True)
+            ]
+            for n in names
+            if (base := paired_baselines(n, runs[n], runs))
+        ]
+        if curves:
+            ax_gap.plot(
+                steps, [statistics.fmean(v) for v in zip(*curves, strict=True)], color=color, label=RECIPE_NAMES[recipe]
+            )
+            ax_gap.fill_between(
+                steps,
+                [min(v) for v in zip(*curves, strict=True)],
+                [max(v) for v in zip(*curves, strict=True)],
+                color=color,
+                alpha=0.1,
+            )
+        val = sorted((int(s), v) for s, v in mean["validation"].items())
+        ax_val.plot([s for s, _ in val], [v for _, v in val], "o-", color=color, label=RECIPE_NAMES[recipe])
     ax_loss.set_ylabel("training loss")
     seeds = sorted({r["seed"] for r in runs.values()})
-    ax_loss.set_title(f"torchtitan convergence ({runs[BASELINE]['device']}, seeds {seeds})")
+    ax_loss.set_title(f"torchtitan convergence ({runs[BASELINE]['device']}, seeds {seeds}; mean of each recipe's runs)")
     ax_loss.legend()
     ax_gap.axhspan(-100 * GOAL_GAP, 100 * GOAL_GAP, color="tab:green", alpha=0.1, label="goal +-0.25%")
-    ax_gap.set_ylabel("smoothed gap to the\nsame-seed bf16 (%)")
-    ax_gap.legend(fontsize="small")
+    ax_gap.set_ylabel("smoothed gap to the\nsame-seed bf16 (%):\nmean, min-max of runs")
+    ax_gap.legend(fontsize="x-small", loc="upper left", ncols=2)
     ax_val.set_ylabel("held-out loss")
     ax_val.set_xlabel("step")
     for ax in (ax_loss, ax_gap, ax_val):
@@ -438,6 +547,11 @@ def plot_probes(runs: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _interval(stats: dict[str, Any]) -> str:
+    spread = f" +- {_pct(2 * stats['se']).lstrip('+')}" if stats.get("se") is not None else ""
+    return f"{_pct(stats['mean'])}{spread} [{_pct(stats['min'])}, {_pct(stats['max'])}]"
+
+
 def _tok_s(v: int | None) -> str:
     return "shared GPU" if v is None else f"{v:,}"
 
@@ -471,19 +585,26 @@ def markdown(doc: dict[str, Any]) -> str:
         )
     noted = [f"- {name}: {r['note']}" for name, r in doc["runs"].items() if "note" in r]
     lines += ["", "Notes on runs:", "", *noted] if noted else []
+    noise = doc["run_noise"]
+    sigmas = ", ".join(
+        f"{label} {_pct(noise[k]['sigma']).lstrip('+')} ({noise[k]['dof']} degrees of freedom)"
+        for k, label in zip(GAP_KEYS, ("training", "held-out"), strict=True)
+    )
     lines += [
         "",
-        "Gaps by recipe over seeds (mean [min, max]); the bf16 row is the noise floor (other seeds vs seed 0):",
+        "Gaps by recipe: mean +- 2 standard errors [min, max of the runs]. The standard error comes from the "
+        f"noise of one run's gap, pooled over the runs that repeat a recipe and seed: {sigmas}. Goal: the "
+        f"+-2 SE interval inside +-{100 * GOAL_GAP}% for both gaps (met), outside it for either (missed), or "
+        "neither (undecided: more runs). The bf16 row is the noise itself (same-seed repeats, other seeds).",
         "",
-        "| recipe | runs | seeds | train gap, last half | held-out gap |",
-        "|---|---|---|---|---|",
+        "| recipe | runs | seeds | train gap, last half | held-out gap | goal |",
+        "|---|---|---|---|---|---|",
     ]
     for recipe, g in doc["gaps_by_recipe"].items():
-        cells = [
-            f"{_pct(v['mean'])} [{_pct(v['min'])}, {_pct(v['max'])}]"
-            for v in (g["train_gap_last_half"], g["heldout_gap_final"])
-        ]
-        lines.append(f"| {RECIPE_NAMES[recipe]} | {g['runs']} | {g['seeds']} | {cells[0]} | {cells[1]} |")
+        cells = [_interval(g[k]) for k in GAP_KEYS]
+        lines.append(
+            f"| {RECIPE_NAMES[recipe]} | {g['runs']} | {g['seeds']} | {cells[0]} | {cells[1]} | {g.get('goal', '')} |"
+        )
     lines += ["", "![loss curves](convergence.png)"]
     if any(s["sqnr"] or s["expert_grad_norm_last_half"] for s in doc["probes"].values()):
         lines += probe_markdown(doc) + ["", f"![per-layer numerics]({PROBE_PNG})"]
@@ -499,10 +620,12 @@ def report(runs_dir: Path, results_dir: Path) -> dict[str, Any]:
         f"torchtitan Trainer, fp8flow_gpu flavor unless the flags say otherwise, {len(base['losses'])} steps of "
         f"{base['tokens_per_step']:,} tokens; source corpus {corpus['train_tokens'] / 1e6:.1f} M training tokens "
         f"({corpus['epochs']} epochs), held-out {corpus['heldout_tokens'] / 1e6:.2f} M tokens (no shared file), "
-        f"fingerprint {corpus['fingerprint']}. Gaps are relative to the BF16 run of the same seed (column vs), signed "
-        f"(+: higher loss): the training gap compares last-half mean losses, the held-out gap the last evaluation. "
-        f"A BF16 run of another seed is compared with `bf16` (seed 0): the noise floor, what a different seed alone "
-        f"moves the loss. Goal: |gap| <= {100 * GOAL_GAP}% for both. tok/s: median step after {WARMUP_STEPS} steps."
+        f"fingerprint {corpus['fingerprint']}. Gaps are relative to the mean of the BF16 runs of the same seed "
+        f"(column vs), signed (+: higher loss): the training gap compares last-half mean losses, the held-out gap "
+        f"the last evaluation. A BF16 run is compared with the BF16 runs of its seed before it (a repeat: run-to-run "
+        f"noise), else with `bf16` (seed 0: what the initialization alone moves). Goal: |gap| <= {100 * GOAL_GAP}% "
+        f"for both, judged per recipe over its runs (the goal column of a single run says only where that run "
+        f"fell). tok/s: median step after {WARMUP_STEPS} steps; 'shared GPU': the run trained beside others."
     )
     summary = summarize(runs)
     doc = {
@@ -515,6 +638,7 @@ def report(runs_dir: Path, results_dir: Path) -> dict[str, Any]:
         "corpus": corpus,
         "runs": summary,
         "gaps_by_recipe": gaps_by_recipe(summary),
+        "run_noise": run_noise(summary),
         "curves": {
             name: {
                 "loss": r["losses"],

@@ -186,3 +186,51 @@ def test_runs_pair_with_their_seeds_bf16_run_and_bf16_seeds_form_the_noise_floor
     assert by["fp8flow"]["train_gap_last_half"]["mean"] == pytest.approx((0.005 + 0.0 + 0.015) / 3)
     assert by["fp8flow"]["heldout_gap_final"]["max"] == pytest.approx(0.01)
     assert by["bf16"]["train_gap_last_half"]["min"] == pytest.approx(0.05)
+
+
+def test_baselines_average_a_seeds_bf16_runs_and_repeats_measure_the_noise() -> None:
+    """An FP8 run is compared with the mean of its seed's BF16 runs; a BF16 repeat with the earlier runs of
+    its seed (its gap is noise). Repeats of a recipe and seed pool into one per-run noise ``sigma``; a
+    recipe's standard error counts its runs and its baselines' runs; the goal's verdict reads mean +- 2 SE."""
+
+    def run(name: str, recipe: str, seed: int, last: float) -> dict:
+        return {
+            "name": name, "recipe": recipe, "seed": seed, "losses": [4.0, 2.0, 2.0, last],
+            "validation": {"1": 4.0, "4": last}, "tokens_per_s": 100, "peak_mem_gib": None,
+            "corpus": {"epochs": 1.0},
+        }  # fmt: skip
+
+    runs = {
+        "bf16": run("bf16", "bf16", 0, 2.0),
+        "bf16_repeat": run("bf16_repeat", "bf16", 0, 2.02),
+        "bf16_seed1": run("bf16_seed1", "bf16", 1, 2.2),
+        "fp8flow": run("fp8flow", "fp8flow", 0, 2.04),
+        "fp8flow_repeat": run("fp8flow_repeat", "fp8flow", 0, 2.06),
+        "eager": run("eager", "fp8flow_eager_experts", 1, 2.22),
+    }
+    s = bc.summarize(runs)
+    assert [s[n]["baseline"] for n in runs] == [
+        None,
+        "bf16",
+        "bf16",
+        "bf16+bf16_repeat",
+        "bf16+bf16_repeat",
+        "bf16_seed1",
+    ]
+    assert s["fp8flow"]["train_gap_last_half"] == pytest.approx((2.0 + 2.04) / (2.0 + 2.01) - 1)  # vs the mean run
+    assert s["fp8flow"]["heldout_gap_final"] == pytest.approx(2.04 / 2.01 - 1)
+    assert s["eager"]["numerics"] == "fp8flow"  # bit-identical numerics: pooled with fp8flow
+    noise = bc.run_noise(s)["heldout_gap_final"]
+    # fp8flow seed 0: two gaps around their mean (1 dof); bf16_repeat: its gap / (1 + 1/1) (1 dof)
+    gaps0 = [2.04 / 2.01 - 1, 2.06 / 2.01 - 1]
+    squares = sum((g - sum(gaps0) / 2) ** 2 for g in gaps0) + (2.02 / 2.0 - 1) ** 2 / 2
+    assert noise["dof"] == 2 and noise["sigma"] == pytest.approx(math.sqrt(squares / 2))
+    by = bc.gaps_by_recipe(s)
+    assert by["fp8flow"]["runs"] == 3 and by["fp8flow"]["seeds"] == [0, 1]
+    se = by["fp8flow"]["heldout_gap_final"]["se"]  # n=3: 2 runs on 2 baseline runs, 1 run on 1
+    assert se == pytest.approx(noise["sigma"] * math.sqrt(1 / 3 + (2 / 3) ** 2 / 2 + (1 / 3) ** 2 / 1))
+    assert "se" not in by["bf16"]["heldout_gap_final"] and "goal" not in by["bf16"]
+    assert bc._verdict([{"mean": 0.001, "se": 0.0005}] * 2) == "met"
+    assert bc._verdict([{"mean": 0.001, "se": 0.0005}, {"mean": 0.004, "se": 0.0005}]) == "missed"
+    assert bc._verdict([{"mean": 0.002, "se": 0.001}] * 2) == "undecided"
+    assert bc._verdict([{"mean": 0.001}] * 2) == "undecided"  # no noise estimate: no verdict
