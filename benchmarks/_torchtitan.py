@@ -88,7 +88,7 @@ def train(args: list[str], device: str, probe_every: int = 0):
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     # A free port, not a fixed one: runs sharing a GPU (`.ci/gpu OUT convergence`) start side by side.
-    os.environ.setdefault("MASTER_PORT", str(cpu._free_port()))
+    os.environ.setdefault("MASTER_PORT", str(cpu.free_port()))
     try:
         return train_recorded(ConfigManager().parse_args(args), probe_every)
     finally:

@@ -318,8 +318,7 @@ def measure(
     clocks = clocks or GpuClockLog()  # one never started: summaries of None
     step = make_step(block)
     bench_us(step, inputs)  # an untimed repetition first (see the module docstring)
-    reps_us, intervals = [], []
-    reps_mallocs = []
+    reps_us, intervals, reps_mallocs = [], [], []
     for _ in range(repeats):
         before = cuda_mallocs()
         with clocks.interval() as iv:

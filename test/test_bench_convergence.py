@@ -138,13 +138,17 @@ def test_ema_and_gaps() -> None:
         bc.parse_args(["--recipe", "bf16", "--report"])
 
 
-def test_runs_pair_with_their_seeds_bf16_run_and_bf16_seeds_form_the_noise_floor() -> None:
-    def run(name: str, recipe: str, seed: int, last: float, val: float) -> dict:
-        return {
-            "name": name, "recipe": recipe, "seed": seed, "losses": [4.0, 2.0, 2.0, last],
-            "validation": {"1": 4.0, "4": val}, "tokens_per_s": 100, "peak_mem_gib": None, "corpus": {"epochs": 1.0},
-        }  # fmt: skip
+def _run(name: str, recipe: str, seed: int, last: float, val: float | None = None) -> dict:
+    """A synthetic 4-step run record: its last loss ``last``, its held-out loss at step 4 ``val`` (or ``last``)."""
+    return {
+        "name": name, "recipe": recipe, "seed": seed, "losses": [4.0, 2.0, 2.0, last],
+        "validation": {"1": 4.0, "4": last if val is None else val}, "tokens_per_s": 100, "peak_mem_gib": None,
+        "corpus": {"epochs": 1.0},
+    }  # fmt: skip
 
+
+def test_runs_pair_with_their_seeds_bf16_run_and_bf16_seeds_form_the_noise_floor() -> None:
+    run = _run
     runs = {
         "bf16": run("bf16", "bf16", 0, 2.0, 2.0),
         "bf16_seed1": run("bf16_seed1", "bf16", 1, 2.2, 2.1),
@@ -192,14 +196,7 @@ def test_baselines_average_a_seeds_bf16_runs_and_repeats_measure_the_noise() -> 
     """An FP8 run is compared with the mean of its seed's BF16 runs; a BF16 repeat with the earlier runs of
     its seed (its gap is noise). Repeats of a recipe and seed pool into one per-run noise ``sigma``; a
     recipe's standard error counts its runs and its baselines' runs; the goal's verdict reads mean +- 2 SE."""
-
-    def run(name: str, recipe: str, seed: int, last: float) -> dict:
-        return {
-            "name": name, "recipe": recipe, "seed": seed, "losses": [4.0, 2.0, 2.0, last],
-            "validation": {"1": 4.0, "4": last}, "tokens_per_s": 100, "peak_mem_gib": None,
-            "corpus": {"epochs": 1.0},
-        }  # fmt: skip
-
+    run = _run
     runs = {
         "bf16": run("bf16", "bf16", 0, 2.0),
         "bf16_repeat": run("bf16_repeat", "bf16", 0, 2.02),

@@ -420,7 +420,7 @@ def _torchrun_cpu_losses(config: Path, dump: Path, corpus: Path, *flags: str) ->
     import sys
 
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(cpu._free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(cpu.free_port()),
         "-m", "fp8flow_ao.torchtitan.cpu", "--job.config_file", str(config), "--job.dump_folder", str(dump),
         "--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
         "--training.mixed_precision_param", "float32", "--training.dataset_path", str(corpus.parent),

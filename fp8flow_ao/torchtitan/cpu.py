@@ -69,7 +69,8 @@ def _cpu_device_module() -> types.SimpleNamespace:
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous store)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -104,7 +105,7 @@ def torchtitan_on_cpu(model_name: str | None = None) -> Iterator[None]:
     # Under torchrun the launcher's rank variables stand (several gloo processes); alone, one process.
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     env = {k: os.environ.get(k, v) for k, v in env.items()}
-    env["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
+    env["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(free_port())
     saved_env = {k: os.environ.get(k) for k in env}
     overrides = {"device_type": "cpu", "device_module": _cpu_device_module(), "has_cuda_capability": _no_capability}
     from torchtitan.models.llama3.infra import parallelize as tt_fsdp
