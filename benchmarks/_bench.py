@@ -58,14 +58,20 @@ def _warm_up(fn: Callable[..., Any], arg_sets: Sequence[tuple]) -> None:
     torch.cuda.synchronize()
 
 
-def bench_us(fn: Callable[..., Any], arg_sets: Sequence[tuple]) -> float:
-    """Median time of ``fn(*args)`` in microseconds, rotating through ``arg_sets`` (CUDA events via do_bench)."""
+def bench_us_all(fn: Callable[..., Any], arg_sets: Sequence[tuple]) -> list[float]:
+    """Each timed run's time of ``fn(*args)`` in microseconds, in order, rotating through ``arg_sets`` (CUDA
+    events via do_bench, after a warm-up pass over ``arg_sets`` and do_bench's own warm-up)."""
     import triton.testing
 
     cycle = itertools.cycle(arg_sets)
     _warm_up(fn, arg_sets)
-    ms = triton.testing.do_bench(lambda: fn(*next(cycle)), warmup=25, rep=200, return_mode="median")
-    return ms * 1e3
+    ms = triton.testing.do_bench(lambda: fn(*next(cycle)), warmup=25, rep=200, return_mode="all")
+    return [t * 1e3 for t in ms]
+
+
+def bench_us(fn: Callable[..., Any], arg_sets: Sequence[tuple]) -> float:
+    """Median time of ``fn(*args)`` in microseconds over :func:`bench_us_all`'s runs (do_bench's median)."""
+    return statistics.median(bench_us_all(fn, arg_sets))
 
 
 # ~1.5 s of GPU sleep at Hopper clocks: longer than the host needs to enqueue the timed steps of any case.
@@ -417,7 +423,7 @@ class ClockInterval:
         """:func:`summarize_clocks` of the samples taken in the interval (so far, if it is still open).
 
         Waits up to two sampling periods for a sample from after the interval, so the last one has arrived:
-        ask after other work (as :func:`bench_moe_layer.measure` does) and there is nothing to wait for."""
+        ask after other work (as :func:`bench_moe_layer.finish_variant` does) and there is nothing to wait for."""
         end = time.monotonic() if self.end is None else self.end
         self.log.wait_for_sample_after(end)
         return summarize_clocks([s for s in list(self.log.samples) if self.start <= s.t <= end])

@@ -227,12 +227,13 @@ def load_runs(runs_dir: Path) -> dict[str, dict[str, Any]]:
 def paired_baselines(name: str, run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> list[str]:
     """The BF16 runs ``name`` is compared with, as their mean curve (:func:`mean_run`): for an FP8 run every
     BF16 run of its seed (``bf16`` when no BF16 run has that seed); for a BF16 run the BF16 runs of its seed
-    named before it (a same-seed repeat: its gap is run-to-run noise), else ``bf16`` (another seed: its gap
-    is what the initialization alone moves); none for ``bf16``."""
+    trained before it (a same-seed repeat: its gap is run-to-run noise; runs of one day in name order), else
+    ``bf16`` (another seed: its gap is what the initialization alone moves); none for ``bf16``."""
     bf16 = sorted(n for n, r in runs.items() if r["recipe"] == BASELINE)
     same_seed = [n for n in bf16 if runs[n]["seed"] == run["seed"]]
     if run["recipe"] == BASELINE:
-        earlier = [n for n in same_seed if n < name]
+        order = (run["date"], name)
+        earlier = [n for n in same_seed if (runs[n]["date"], n) < order]
         return [] if name == BASELINE else earlier or [BASELINE]
     return same_seed or [BASELINE]
 

@@ -36,14 +36,29 @@ Variants, each ``torch.compile``-d (default mode, graph breaks allowed so every 
 * ``fp8flow_bf16_fc1_dgrad``: ``FP8FlowConfig(backward="bf16_fc1_dgrad")``: FC1's dgrad in BF16 (the
   loss-gap fix of ``convergence.md``), what it costs.
 
+Timing: per case, every selected variant is converted and compiled first, all of them kept alive, and
+each warmed up by one untimed repetition under each routing (the first measured repetition ran up to 15%
+slow in earlier runs -- clocks and the allocator settling after compilation -- and set the spread). Then
+``--repeats`` rounds, each one timed repetition of every variant under each routing, routing by routing and
+the variants in the order above: repetition i of a baseline and of FP8-Flow run back to back under the same
+machine state (one variant's repetitions spread 10-17% with slow ones at fixed positions,
+``results/moe_layer_spread_notes.md``, a drift that a speed-up between blocks timed apart would carry). A
+repetition is the median of do_bench's timed runs (200 ms of forward + backward steps: 5 to 50 of them,
+at 40 to 4 ms a step; after warm-up steps). ``--gc torchtitan`` (the
+default) runs the rounds under torchtitan's garbage collection: its trainer turns Python's automatic collector
+off and collects the young generations (``gc.collect(1)``) every ``gc_freq`` steps (50), here before each
+repetition, outside its timing; ``--gc python`` leaves the automatic collector on, free to collect inside a
+timed step. Memory and the stage table are taken per variant after the rounds.
+
 Reported per case: median ms of forward + backward (input and output gradients, weight
-gradients) over ``--repeats`` repetitions (each itself a median of do_bench's runs, after one
-untimed repetition: the first measured repetition ran up to 15% slow in earlier runs -- clocks and the
-allocator settling after compilation -- and set the spread), with the
-repetitions' min and max and their spread (``(max - min) / median``); the speed-up is the ratio of
-the medians, ``speedup_range`` the worst and best pairing of repetitions; each repetition's time, the median
-SM clock during it and the clock event reasons NVML gave (``_bench.GpuClockLog``: one ``nvidia-smi -lms 50``
-for the run; issue 11 asks whether the FP8 variants' wider spread follows the clock); speed-up of FP8-Flow over each baseline; TFLOP/s at 18*T*k*D*H model FLOPs; the
+gradients) over the repetitions, with their min and max and their spread (``(max - min) / median``); the
+speed-up is the ratio of the medians, ``speedup_range`` the worst and best pairing of any two repetitions,
+``paired_speedups`` baseline over ours repetition by repetition (the same round), with their min and median;
+per repetition its time, do_bench's runs in it (``ours_iters``/``baseline_iters``: count, min, median, 90th
+percentile and max, us), the caching allocator's cudaMalloc/cudaFree calls, the median SM clock during it and
+the clock event reasons NVML gave (``_bench.GpuClockLog``: one ``nvidia-smi -lms 50`` for the run; issue 11
+asks whether the FP8 variants' wider spread follows the clock); the ``gc`` policy; speed-up of FP8-Flow over
+each baseline; TFLOP/s at 18*T*k*D*H model FLOPs; the
 activation memory held for backward (``memory_allocated`` after the forward minus before, less the
 output itself; weights allocated before are not counted, FP8 weight copies made in the forward are,
 and their estimated size is reported beside it: at the DeepSeek-like shape they are about 1.4 GB)
@@ -59,17 +74,21 @@ then follows the host CPU's speed) and, from cProfile, the Python functions the 
 
 Targets (issue 4): >= 1.6x BF16 (DeepSeek-like), >= 1.4x BF16 (Qwen-like), >= 1.3x torchao
 row-wise; activation memory <= 50% of BF16's, <= 20% with recompute. Rows carry ``target`` and
-``meets_target``.
+``meets_target`` (the medians' speed-up and the memory), and where a speed-up target exists
+``every_rep_meets_target``: every paired speed-up at or above it (the Qwen-like goal is >= 1.4x in every
+repetition).
 
-Meant to run in under 5 minutes on an H100 (most of it compiling). Variants run one after the
-other over both cases (BF16 and FP8-Flow first), and ``--budget-s`` skips those that would start
-later; ``--cases`` / ``--variants`` select (a subset of cases writes
+Meant to run in under 5 minutes on an H100 (most of it compiling). Cases run one after the other, each
+with an equal share of what is left of ``--budget-s``: variants whose build would start after the case's
+share are skipped (BF16 and FP8-Flow are built first), and so are the rounds after the first that would
+start after it; ``--cases`` / ``--variants`` select (a subset of cases writes
 ``moe_layer_<cases>.json``, so cases run one at a time keep their files).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import cProfile
 import gc
@@ -80,13 +99,14 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from _bench import (
+    ClockInterval,
     GpuClockLog,
-    bench_us,
+    bench_us_all,
     host_and_device_us,
     n_rotations,
     nvidia_smi_id,
@@ -131,6 +151,12 @@ SPEEDUP_TARGETS = {
 }
 # activation memory / BF16's; fp8flow_wt_forward trades memory (its FP8 weight transposes) for speed
 MEMORY_TARGETS = {"fp8flow": 0.5, "fp8flow_recompute": 0.2}
+# --gc: what the notes say of each policy (gc_policy runs them)
+GC_NOTES = {
+    "torchtitan": "as torchtitan's trainer (automatic collector off, gc.collect(1) before each repetition, "
+    "outside its timing)",
+    "python": "Python's automatic collector, as it runs (it may collect inside a timed step)",
+}
 PROFILE_ITERS = 5
 OTHER_NAMED = 12  # kernels outside our ops named one by one in the stage table
 HOST_NAMED = 15  # Python functions named in the host profile
@@ -290,6 +316,7 @@ class Measured:
     peak_mib: float  # forward + backward peak above the state before the forward
     reps_clock: list[dict]  # per repetition: the GPU's clocks while it ran (_bench.summarize_clocks)
     reps_cuda_mallocs: list[int]  # per repetition: the caching allocator's cudaMalloc + cudaFree calls (each syncs)
+    reps_iters: list[dict] = field(default_factory=list)  # per repetition: iteration_summary ([]: not recorded)
 
     @property
     def us(self) -> float:
@@ -300,6 +327,20 @@ class Measured:
         return 100 * (max(self.reps_us) - min(self.reps_us)) / self.us
 
 
+def iteration_summary(iters_us: Sequence[float]) -> dict[str, int]:
+    """One repetition's do_bench runs in whole microseconds: their count, min, median, 90th percentile (linear
+    between the closest ranks, as numpy's default) and max; the median is the repetition's figure."""
+    ordered = sorted(iters_us)
+    p90 = statistics.quantiles(ordered, n=10, method="inclusive")[-1] if len(ordered) > 1 else ordered[0]
+    return {
+        "n": len(ordered),
+        "min": round(ordered[0]),
+        "median": round(statistics.median(ordered)),
+        "p90": round(p90),
+        "max": round(ordered[-1]),
+    }
+
+
 def cuda_mallocs() -> int:
     """cudaMalloc + cudaFree calls of the caching allocator so far (and its retries after a failed malloc,
     which free the cache): each stalls the host and can serialize the device; a warm step makes none."""
@@ -307,29 +348,54 @@ def cuda_mallocs() -> int:
     return sum(stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries"))
 
 
-def measure(
-    block: nn.Module,
-    inputs: list[tuple[torch.Tensor, torch.Tensor]],
-    repeats: int,
-    clocks: GpuClockLog | None = None,
-) -> Measured:
-    """Time ``repeats`` repetitions of forward + backward, each with the clocks ``clocks`` logged during it
-    (none without a log), then the memory it holds."""
-    clocks = clocks or GpuClockLog()  # one never started: summaries of None
-    step = make_step(block)
-    bench_us(step, inputs)  # an untimed repetition first (see the module docstring)
-    reps_us, intervals, reps_mallocs = [], [], []
-    for _ in range(repeats):
-        before = cuda_mallocs()
-        with clocks.interval() as iv:
-            reps_us.append(bench_us(step, inputs))
-        intervals.append(iv)
-        reps_mallocs.append(cuda_mallocs() - before)
-    x, dy = inputs[0]
-    step(x, dy)
+def drop_grads(block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Free the gradients the last step left. Every variant of a case is alive during its timed repetitions:
+    left in place, each variant's weight gradients (as large as its BF16 weights) would be held at once."""
     for p in block.parameters():
         p.grad = None
-    x.grad = None
+    for x, _ in inputs:
+        x.grad = None
+
+
+@dataclass
+class Repetitions:
+    """The timed repetitions of one (variant, routing) so far."""
+
+    us: list[float] = field(default_factory=list)  # each repetition's median
+    iters: list[dict] = field(default_factory=list)  # iteration_summary of each repetition's runs
+    intervals: list[ClockInterval] = field(default_factory=list)  # when each ran, for the clocks
+    cuda_mallocs: list[int] = field(default_factory=list)
+
+    def run(
+        self,
+        step: Callable[[torch.Tensor, torch.Tensor], None],
+        inputs: list[tuple[torch.Tensor, torch.Tensor]],
+        clocks: GpuClockLog,
+    ) -> None:
+        """Time one more repetition of ``step`` over ``inputs`` (the routing set now), with the clocks logged."""
+        before = cuda_mallocs()
+        with clocks.interval() as iv:
+            iters_us = bench_us_all(step, inputs)
+        self.intervals.append(iv)
+        self.cuda_mallocs.append(cuda_mallocs() - before)
+        self.us.append(statistics.median(iters_us))
+        self.iters.append(iteration_summary(iters_us))
+
+
+def memory_mib(block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
+    """MiB held for backward, held by the FP8 weight cache, and at the peak of forward + backward above the
+    state before it (the ``Measured`` fields), for one step under the routing set now."""
+    from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE
+
+    # weight_cache_mib counts this variant's entries only: the case's other variants are alive, and
+    # fp8flow_wt_step's entries would show in every later variant's figure. Emptied here, once all timed
+    # repetitions have run (fp8flow_wt_step's time a cached micro-batch and need its entries); this step refills
+    # this variant's.
+    EXPERT_WEIGHT_CACHE.invalidate()
+    step = make_step(block)
+    x, dy = inputs[0]
+    step(x, dy)
+    drop_grads(block, inputs)
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -341,11 +407,8 @@ def measure(
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     del out
-    from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE
-
-    # summarized last: by now nvidia-smi has delivered the last repetition's samples too
-    reps_clock = [iv.summary() for iv in intervals]
-    return Measured(reps_us, held / 2**20, EXPERT_WEIGHT_CACHE.nbytes() / 2**20, peak / 2**20, reps_clock, reps_mallocs)
+    drop_grads(block, inputs)
+    return held / 2**20, EXPERT_WEIGHT_CACHE.nbytes() / 2**20, peak / 2**20
 
 
 def _gemm_label(name: str, shapes: list, shape: MoEShape) -> str:
@@ -515,102 +578,217 @@ class Case:
     base: Block
     inputs: list[tuple[torch.Tensor, torch.Tensor]]
     fixed: FixedRouting
+    routes: dict[str, torch.Tensor]  # routing kind -> expert ids, on the device
     results: dict[tuple[str, str], Measured]  # (routing, variant) -> measured
+
+    def route(self, kind: str) -> None:
+        """Make every variant's router pick the experts of routing ``kind`` (:func:`routing`)."""
+        self.fixed.set(self.routes[kind])
 
 
 def prepare(name: str) -> Case:
     shape, tokens = CASES[name]
     inputs = make_inputs(tokens, shape.dim)
-    return Case(name, shape, tokens, build_bf16(shape), inputs, FixedRouting(tokens, shape.top_k), {})
+    routes = {kind: routing(kind, tokens, shape.top_k, shape.experts).cuda() for kind in ROUTINGS}
+    return Case(name, shape, tokens, build_bf16(shape), inputs, FixedRouting(tokens, shape.top_k), routes, {})
 
 
-def run_variant(case: Case, variant: str, repeats: int, notes: list[str], clocks: GpuClockLog) -> list[dict]:
-    """Compile ``variant`` of ``case`` once, measure it under every routing; FP8-Flow's stage rows."""
-    from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE
+@dataclass
+class Built:
+    """One variant of a case, converted and compiled, with its timed repetitions per routing."""
 
-    EXPERT_WEIGHT_CACHE.invalidate()  # weight_cache_mib: this variant's entries only
+    variant: str
+    block: nn.Module  # the compiled block
+    step: Callable[[torch.Tensor, torch.Tensor], None]
+    reps: dict[str, Repetitions] = field(default_factory=lambda: {kind: Repetitions() for kind in ROUTINGS})
+
+
+def note_failure(notes: list[str], what: str, exc: Exception) -> None:
+    """A variant failed: one line in the notes, the traceback in the log (the other variants go on)."""
+    first_line = str(exc).splitlines()[0][:300].rstrip(".") if str(exc) else ""
+    notes.append(f"{what}: failed: {type(exc).__name__}: {first_line}.")
+    traceback.print_exc()
+
+
+def build_variant(case: Case, variant: str) -> Built:
+    """``variant`` of ``case`` converted, compiled and warmed up by one untimed repetition under each routing
+    (the module docstring says why; it also records the CUDA graphs and fills fp8flow_wt_step's weight cache)."""
     block = convert(case.base, variant)
     install_routing(block, case.fixed)
     compiled = torch.compile(block, mode="reduce-overhead" if variant == "bf16_cudagraph" else None)
-    stage_rows = []
+    built = Built(variant, compiled, make_step(compiled))
     for kind in ROUTINGS:
-        case.fixed.set(routing(kind, case.tokens, case.shape.top_k, case.shape.experts))
-        case.results[kind, variant] = measure(compiled, case.inputs, repeats, clocks)
-        if variant in OURS and kind == "balanced" and variant not in CUDA_GRAPHED:
-            try:
-                stages, host_us, device_us, host_fns = stage_breakdown(
-                    compiled, case.inputs, case.shape, case.results[kind, variant].us
-                )
-            except Exception:  # the profile is diagnostic: its failure must not drop the timings
-                traceback.print_exc()
-                notes.append(f"{case.name}/{variant}: stage breakdown failed (traceback in the log).")
-                continue
-            total = sum(stages.values())
-            stage_rows += [
-                row(
-                    f"{case.shape.name} T={case.tokens} {kind} {variant}",
-                    us,
-                    "share of device time",
-                    None,
-                    stage=name,
-                    share_pct=round(100 * us / total, 1) if total else None,
-                )
-                for name, us in stages.items()
-            ]
-            bound = "host-bound" if host_us > device_us else "device-bound"
-            stage_rows += [
-                row(
-                    f"{case.shape.name} T={case.tokens} {kind} {variant}",
-                    us,
-                    f"per step, measured apart with the GPU held busy: {bound}",
-                    None,
-                    stage=stage,
-                    share_pct=None,
-                )
-                for stage, us in (("host enqueue", host_us), ("device, steps back to back", device_us))
-            ]
-            host_total = sum(host_fns.values())
-            stage_rows += [
-                row(
-                    f"{case.shape.name} T={case.tokens} {kind} {variant}",
-                    us,
-                    "host time per step by Python function (cProfile tottime; profiled, so read as shares)",
-                    None,
-                    stage=f"host: {fn}",
-                    share_pct=round(100 * us / host_total, 1),
-                )
-                for fn, us in host_fns.items()
-            ]
-    return stage_rows
+        case.route(kind)
+        bench_us_all(built.step, case.inputs)
+    drop_grads(compiled, case.inputs)
+    return built
 
 
-def run_all(
-    cases: list[Case],
-    variants: tuple[str, ...],
-    repeats: int,
-    deadline: float,
-    notes: list[str],
-    clocks: GpuClockLog,
-) -> tuple[list[dict], bool]:
-    """Every variant of every case, variant by variant (BF16 and FP8-Flow first, so a tight budget skips
-    the slow baselines); returns the stage rows and whether an FP8-Flow variant failed."""
-    stage_rows, ours_failed = [], False
+def build_all(case: Case, variants: tuple[str, ...], deadline: float, notes: list[str]) -> tuple[list[Built], bool]:
+    """The ``variants`` of ``case`` (in that order) that start building before ``deadline``; and whether an
+    FP8-Flow variant failed."""
+    built, ours_failed = [], False
     for variant in variants:
-        for case in cases:
-            if time.monotonic() > deadline:
-                notes.append(f"{case.name}/{variant}: skipped, over the time budget.")
-                continue
+        if time.monotonic() > deadline:
+            notes.append(f"{case.name}/{variant}: skipped, over the time budget.")
+            continue
+        start = time.monotonic()
+        try:
+            built.append(build_variant(case, variant))
+        except Exception as exc:  # one variant failing must not hide the others' numbers
+            note_failure(notes, f"{case.name}/{variant}", exc)
+            ours_failed |= variant in OURS
+        print(f"{case.name}/{variant}: built and warmed up in {time.monotonic() - start:.0f} s", flush=True)
+    return built, ours_failed
+
+
+@contextlib.contextmanager
+def gc_policy(mode: str) -> Iterator[Callable[[], None]]:
+    """Python's garbage collection inside the block: ``"torchtitan"`` as torchtitan's trainer runs it
+    (``torchtitan.tools.utils.GarbageCollection``: the automatic collector off, ``gc.collect(1)`` every
+    ``training.gc_freq`` steps, 50 by default), ``"python"`` left as it is (automatic collections at allocation
+    counts, inside a timed step or not). Yields what to call before each timed repetition: with
+    ``"torchtitan"`` that collection, outside the timing (a repetition is 10 to 60 steps, warm-up included).
+    The collector's state from before is restored after."""
+    if mode not in GC_NOTES:
+        raise ValueError(f"gc mode must be one of {', '.join(GC_NOTES)}, got {mode!r}")
+    enabled = gc.isenabled()
+    if mode == "torchtitan":
+        gc.disable()
+    try:
+        yield (lambda: gc.collect(1)) if mode == "torchtitan" else (lambda: None)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@dataclass
+class Rounds:
+    """How the timed repetitions run: ``repeats`` rounds under the ``gc_mode`` policy (:func:`gc_policy`), the
+    clocks logged by ``clocks``; what was skipped or failed goes to ``notes``."""
+
+    repeats: int
+    gc_mode: str
+    clocks: GpuClockLog
+    notes: list[str]
+
+
+def time_interleaved(case: Case, built: list[Built], deadline: float, rounds: Rounds) -> bool:
+    """``rounds.repeats`` rounds, each one timed repetition of every variant in ``built`` under each routing (routing
+    by routing, the variants in ``built``'s order), so repetition r of a baseline and of FP8-Flow run back to
+    back under the same machine state. A round that would start after ``deadline`` is skipped with those after
+    it (the first always runs), so every variant has as many repetitions. A variant that fails is dropped from
+    ``built``; returns whether an FP8-Flow variant failed."""
+    ours_failed, repeats, notes = False, rounds.repeats, rounds.notes
+    if not built:  # every variant skipped or failed: no rounds to report
+        return ours_failed
+    with gc_policy(rounds.gc_mode) as before_repetition:
+        for r in range(repeats):
+            if r and time.monotonic() > deadline:
+                notes.append(f"{case.name}: timed repetitions {r + 1}-{repeats} skipped, over the time budget.")
+                break
             start = time.monotonic()
-            try:
-                stage_rows += run_variant(case, variant, repeats, notes, clocks)
-            except Exception as exc:  # one variant failing must not hide the others' numbers
-                first_line = str(exc).splitlines()[0][:300].rstrip(".") if str(exc) else ""
-                notes.append(f"{case.name}/{variant}: failed: {type(exc).__name__}: {first_line}.")
-                ours_failed |= variant in OURS
-                traceback.print_exc()
-            gc.collect()
-            torch.cuda.empty_cache()
-            print(f"{case.name}/{variant}: {time.monotonic() - start:.0f} s", flush=True)
+            for kind in ROUTINGS:
+                for b in list(built):
+                    case.route(kind)
+                    before_repetition()
+                    try:
+                        b.reps[kind].run(b.step, case.inputs, rounds.clocks)
+                        drop_grads(b.block, case.inputs)
+                    except Exception as exc:  # one variant failing must not hide the others' numbers
+                        note_failure(notes, f"{case.name}/{b.variant} (repetition {r + 1}, {kind})", exc)
+                        ours_failed |= b.variant in OURS
+                        built.remove(b)
+            print(f"{case.name}: repetition {r + 1} of {repeats}: {time.monotonic() - start:.0f} s", flush=True)
+    return ours_failed
+
+
+def variant_stage_rows(
+    case: Case, kind: str, variant: str, block: nn.Module, step_us: float, notes: list[str]
+) -> list[dict]:
+    """The ``moe_layer_stages`` rows of one variant under routing ``kind`` (set now): device time by op, the
+    host's and the device's time per step, the host's time by Python function; none when the profile fails."""
+    try:
+        stages, host_us, device_us, host_fns = stage_breakdown(block, case.inputs, case.shape, step_us)
+    except Exception:  # the profile is diagnostic: its failure must not drop the timings
+        traceback.print_exc()
+        notes.append(f"{case.name}/{variant}: stage breakdown failed (traceback in the log).")
+        return []
+    label = f"{case.shape.name} T={case.tokens} {kind} {variant}"
+    total = sum(stages.values())
+    rows = [
+        row(
+            label, us, "share of device time", None, stage=name, share_pct=round(100 * us / total, 1) if total else None
+        )
+        for name, us in stages.items()
+    ]
+    bound = "host-bound" if host_us > device_us else "device-bound"
+    rows += [
+        row(label, us, f"per step, measured apart with the GPU held busy: {bound}", None, stage=stage, share_pct=None)
+        for stage, us in (("host enqueue", host_us), ("device, steps back to back", device_us))
+    ]
+    host_total = sum(host_fns.values())
+    rows += [
+        row(
+            label,
+            us,
+            "host time per step by Python function (cProfile tottime; profiled, so read as shares)",
+            None,
+            stage=f"host: {fn}",
+            share_pct=round(100 * us / host_total, 1),
+        )
+        for fn, us in host_fns.items()
+    ]
+    return rows
+
+
+def finish_variant(case: Case, b: Built, notes: list[str]) -> list[dict]:
+    """After the timed repetitions: ``b``'s memory under each routing, its :class:`Measured` into
+    ``case.results``, and FP8-Flow's stage rows (balanced routing; none for CUDA graphs: kernels replayed from
+    a graph have no op to name them by)."""
+    rows = []
+    for kind in ROUTINGS:
+        case.route(kind)
+        reps = b.reps[kind]
+        act, cache, peak = memory_mib(b.block, case.inputs)
+        # summarized last: by now nvidia-smi has delivered the last repetition's samples too
+        clock = [iv.summary() for iv in reps.intervals]
+        case.results[kind, b.variant] = Measured(reps.us, act, cache, peak, clock, reps.cuda_mallocs, reps.iters)
+        if b.variant in OURS and kind == "balanced" and b.variant not in CUDA_GRAPHED:
+            rows += variant_stage_rows(case, kind, b.variant, b.block, case.results[kind, b.variant].us, notes)
+    return rows
+
+
+def run_case(case: Case, variants: tuple[str, ...], deadline: float, rounds: Rounds) -> tuple[list[dict], bool]:
+    """Build every variant of ``case``, time them interleaved, then take their memory and stage rows; the
+    compiled variants are freed when this returns. Returns the stage rows and whether an FP8-Flow variant
+    failed."""
+    notes = rounds.notes
+    built, ours_failed = build_all(case, variants, deadline, notes)
+    ours_failed |= time_interleaved(case, built, deadline, rounds)
+    rows = []
+    for b in built:
+        try:
+            rows += finish_variant(case, b, notes)
+        except Exception as exc:  # one variant failing must not hide the others' numbers
+            note_failure(notes, f"{case.name}/{b.variant}", exc)
+            ours_failed |= b.variant in OURS
+    return rows, ours_failed
+
+
+def run_all(cases: list[Case], variants: tuple[str, ...], deadline: float, rounds: Rounds) -> tuple[list[dict], bool]:
+    """Case after case, each with all its variants compiled at once (freed before the next case) and an equal
+    share of the time left before ``deadline``: a tight budget still measures BF16 and FP8-Flow (built first)
+    in every case and skips the slow baselines. Returns the stage rows and whether an FP8-Flow variant failed."""
+    stage_rows, ours_failed = [], False
+    for i, case in enumerate(cases):
+        start = time.monotonic()
+        rows, failed = run_case(case, variants, start + (deadline - start) / (len(cases) - i), rounds)
+        stage_rows += rows
+        ours_failed |= failed
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"{case.name}: {time.monotonic() - start:.0f} s", flush=True)
     return stage_rows, ours_failed
 
 
@@ -627,8 +805,19 @@ def _throttle(m: Measured) -> str | None:
     return ("+".join(sorted(set().union(*seen))) or "none") if seen else None
 
 
-def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str, str], Measured]) -> list[dict]:
-    """One row per (case, routing, ours, baseline) with speed-up, memory and target checks."""
+def paired_speedups(baseline_us: Sequence[float], ours_us: Sequence[float]) -> list[float] | None:
+    """Baseline time over ours repetition by repetition (repetition i of both ran in round i, back to back),
+    to 3 decimals; None when their counts differ (they were not measured in the same rounds)."""
+    if len(baseline_us) != len(ours_us):
+        return None
+    return [round(b / o, 3) for b, o in zip(baseline_us, ours_us, strict=True)]
+
+
+def result_rows(
+    case: str, shape: MoEShape, tokens: int, results: dict[tuple[str, str], Measured], *, gc_mode: str | None = None
+) -> list[dict]:
+    """One row per (case, routing, ours, baseline) with speed-up, memory and target checks; ``gc_mode``: the
+    ``--gc`` policy the repetitions ran under (the rows' ``gc``)."""
     flops = 18 * tokens * shape.top_k * shape.dim * shape.hidden
     rows = []
     for (kind, variant), ours in results.items():
@@ -640,6 +829,7 @@ def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str
                 continue
             base = results[kind, baseline]
             target = SPEEDUP_TARGETS.get((case, baseline)) if variant == "fp8flow" else None
+            paired = paired_speedups(base.reps_us, ours.reps_us)
             r = row(
                 f"{shape.name} T={tokens} D={shape.dim} H={shape.hidden} E={shape.experts} top{shape.top_k} {kind} [{variant}]",
                 ours.us, label, base.us, flops=flops,
@@ -657,6 +847,9 @@ def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str
                 ours_sm_mhz=_sm_mhz(ours), baseline_sm_mhz=_sm_mhz(base),
                 ours_throttle=_throttle(ours), baseline_throttle=_throttle(base),
                 ours_cuda_mallocs=ours.reps_cuda_mallocs, baseline_cuda_mallocs=base.reps_cuda_mallocs,
+                paired_speedups=paired, paired_speedup_min=min(paired) if paired else None,
+                paired_speedup_median=round(statistics.median(paired), 3) if paired else None,
+                ours_iters=ours.reps_iters, baseline_iters=base.reps_iters, gc=gc_mode,
             )  # fmt: skip
             if variant in CUDA_GRAPHED or baseline in CUDA_GRAPHED:
                 # a CUDA graph's buffers live in its private pool, which the allocator's counters leave out
@@ -670,6 +863,7 @@ def result_rows(case: str, shape: MoEShape, tokens: int, results: dict[tuple[str
             if target is not None:
                 r["target"] = f">= {target}x"
                 checks.append(r["speedup"] >= target)
+                r["every_rep_meets_target"] = None if paired is None else min(paired) >= target
             if baseline == "bf16" and variant in MEMORY_TARGETS:
                 r["memory_target"] = f"<= {MEMORY_TARGETS[variant]:.0%} of bf16"
                 checks.append(r["act_mem_ratio_vs_bf16"] <= MEMORY_TARGETS[variant])
@@ -684,10 +878,24 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument(
-        "--repeats", type=int, default=3, help="timed repetitions per variant and routing (median and spread)"
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed repetitions per variant and routing, in interleaved rounds (median, spread, paired speed-ups)",
     )
     parser.add_argument(
-        "--budget-s", type=float, default=270, help="skip variants that would start after this many seconds"
+        "--budget-s",
+        type=float,
+        default=270,
+        help="skip the variants (builds) and timed repetitions that would start after this many seconds, "
+        "each case getting an equal share of the time left",
+    )
+    parser.add_argument(
+        "--gc",
+        choices=tuple(GC_NOTES),
+        default="torchtitan",
+        help="garbage collection during the timed repetitions: torchtitan's (automatic collector off, a "
+        "collection before each repetition) or Python's automatic one",
     )
     parser.add_argument("--tag", default="", help="appended to the result files' names (keeps another run's files)")
     args = parser.parse_args()
@@ -711,11 +919,17 @@ def main() -> None:
         notes = []
     cases = [prepare(name) for name in args.cases]
     with GpuClockLog(nvidia_smi_id()) as clocks:  # one nvidia-smi for the whole run
-        stage_rows, ours_failed = run_all(cases, variants, args.repeats, deadline, notes, clocks)
-    rows = [r for c in cases for r in result_rows(c.name, c.shape, c.tokens, c.results)]
+        stage_rows, ours_failed = run_all(cases, variants, deadline, Rounds(args.repeats, args.gc, clocks, notes))
+    rows = [r for c in cases for r in result_rows(c.name, c.shape, c.tokens, c.results, gc_mode=args.gc)]
     notes.append(
-        f"ours_us/baseline_us: median over {args.repeats} repetitions of the median forward + backward "
-        "(torch.compile, bf16 params), spread = (max - min) / median of the repetitions; act_mem: memory held "
+        f"ours_us/baseline_us: median over the repetitions (repeats: how many; --repeats {args.repeats}) of the "
+        "median forward + backward (torch.compile, bf16 params), spread = (max - min) / median of the repetitions. "
+        "Repetitions interleaved: in round i, repetition i of every variant under each routing, back to back "
+        f"(variants in the order {', '.join(variants)}); garbage collection: {GC_NOTES[args.gc]}. "
+        "paired_speedups: baseline / ours of the same round, paired_speedup_min/_median their min and median, "
+        "every_rep_meets_target: all of them at or above the target; gc: the garbage collection policy; "
+        "ours_iters/baseline_iters: per repetition, do_bench's timed runs (n, and min, median, p90, max in us); "
+        "act_mem: memory held "
         "for backward after the forward (output excluded; FP8-Flow keeps no weight copies: it re-quantizes the "
         "weights' transposes in backward, except fp8flow_wt_forward, which keeps the forward's, and "
         "fp8flow_wt_step, which takes both from its cache: weight_cache_mib, held across steps); tflops at 18*T*k*D*H. "

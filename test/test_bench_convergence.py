@@ -138,10 +138,11 @@ def test_ema_and_gaps() -> None:
         bc.parse_args(["--recipe", "bf16", "--report"])
 
 
-def _run(name: str, recipe: str, seed: int, last: float, val: float | None = None) -> dict:
-    """A synthetic 4-step run record: its last loss ``last``, its held-out loss at step 4 ``val`` (or ``last``)."""
+def _run(name: str, recipe: str, seed: int, last: float, val: float | None = None, date: str = "2026-11-23") -> dict:
+    """A synthetic 4-step run record trained on ``date``: its last loss ``last``, its held-out loss at step 4
+    ``val`` (or ``last``)."""
     return {
-        "name": name, "recipe": recipe, "seed": seed, "losses": [4.0, 2.0, 2.0, last],
+        "name": name, "recipe": recipe, "seed": seed, "date": date, "losses": [4.0, 2.0, 2.0, last],
         "validation": {"1": 4.0, "4": last if val is None else val}, "tokens_per_s": 100, "peak_mem_gib": None,
         "corpus": {"epochs": 1.0},
     }  # fmt: skip
@@ -190,6 +191,17 @@ def test_runs_pair_with_their_seeds_bf16_run_and_bf16_seeds_form_the_noise_floor
     assert by["fp8flow"]["train_gap_last_half"]["mean"] == pytest.approx((0.005 + 0.0 + 0.015) / 3)
     assert by["fp8flow"]["heldout_gap_final"]["max"] == pytest.approx(0.01)
     assert by["bf16"]["train_gap_last_half"]["min"] == pytest.approx(0.05)
+
+
+def test_a_bf16_repeat_is_compared_with_the_runs_trained_before_it_not_named_before_it() -> None:
+    runs = {
+        "bf16": _run("bf16", "bf16", 0, 2.0),
+        "bf16_r3": _run("bf16_r3", "bf16", 0, 2.03, date="2026-11-25"),  # sorts before bf16_repeat, ran after it
+        "bf16_repeat": _run("bf16_repeat", "bf16", 0, 2.02),
+    }
+    s = bc.summarize(runs)
+    assert s["bf16_repeat"]["baseline"] == "bf16"
+    assert s["bf16_r3"]["baseline"] == "bf16+bf16_repeat"
 
 
 def test_baselines_average_a_seeds_bf16_runs_and_repeats_measure_the_noise() -> None:
