@@ -197,8 +197,11 @@ def test_job_config_sections_parse_and_configs_differ_only_in_fp8flow(family: st
         "rowwise",
         "--fp8flow.filter_fqns",
         "layers.1.,layers.3.",
+        "--fp8flow.compile_mode",
+        "reduce-overhead",
     )
     assert cli.fp8flow.recipe == "rowwise" and cli.fp8flow.filter_fqns == ["layers.1.", "layers.3."]
+    assert cli.fp8flow.compile_mode == "reduce-overhead"
 
 
 def test_job_config_section_comes_from_the_custom_module_only() -> None:
@@ -362,6 +365,106 @@ def test_compile_experts_refuses_bad_values_and_skips_expert_parallel() -> None:
     assert FP8FlowConverter(cfg, None).compile_backend is None
 
 
+TT_ARGS = ("--job.custom_config_module", "fp8flow_ao.torchtitan.job_config")
+# CUDA graphs need activation checkpointing off (torchtitan's default is "selective").
+GRAPHED = ("--compile.enable", "--activation_checkpoint.mode", "none", "--fp8flow.compile_mode", "reduce-overhead")
+
+
+def parallel_dims(**degrees: int):
+    """A torchtitan ``ParallelDims`` with the given degrees, every other one 1 (no mesh is built)."""
+    from torchtitan.distributed import ParallelDims
+
+    dims = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1} | degrees
+    world_size = math.prod(dims[d] for d in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
+    return ParallelDims(**dims, world_size=world_size)
+
+
+@pytest.mark.parametrize(
+    ("args", "mode"),
+    [
+        (("--compile.enable",), None),  # "default": torch.compile's own default mode
+        (GRAPHED, "reduce-overhead"),
+        ((*GRAPHED, "--fp8flow.weight_cache", "forward", "--fp8flow.backward", "bf16_fc1_dgrad"), "reduce-overhead"),
+    ],
+)
+def test_compile_mode_option_reaches_the_layers(args: tuple[str, ...], mode: str | None) -> None:
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+
+    with torch.device("meta"):
+        model = DeepSeekV3Model(debug_args())
+    FP8FlowConverter(parse(*TT_ARGS, *args), None).convert(model)
+    layers = [m for m in model.modules() if isinstance(m, FP8FlowMoE)]
+    assert layers and all(m.experts.fp8flow_compile_mode == mode for m in layers)
+    assert all(m.experts.fp8flow_compile_backend == "inductor" for m in layers)
+
+
+def test_compile_mode_parses_from_toml(tmp_path: Path) -> None:
+    toml = tmp_path / "graphed.toml"
+    toml.write_text(
+        '[job]\ncustom_config_module = "fp8flow_ao.torchtitan.job_config"\n'
+        '[fp8flow]\ncompile_mode = "reduce-overhead"\n'
+    )
+    assert parse("--job.config_file", str(toml)).fp8flow.compile_mode == "reduce-overhead"
+
+
+def test_compile_mode_allows_replicated_data_parallel() -> None:
+    """DDP keeps every weight where it is, so CUDA graphs' fixed addresses hold (unlike FSDP2's unsharding)."""
+    converter = FP8FlowConverter(parse(*TT_ARGS, *GRAPHED), parallel_dims(dp_replicate=2))
+    assert converter.compile_mode == "reduce-overhead"
+
+
+@pytest.mark.parametrize(
+    ("args", "dims", "match"),
+    [
+        (("--compile.enable", "--fp8flow.compile_experts", "off"), {}, 'compile_experts = "off"'),
+        ((), {}, 'compile_experts = "auto" while torchtitan does not compile'),
+        (("--compile.enable", "--compile.components", "loss"), {}, 'compile_experts = "auto" while torchtitan'),
+        (("--compile.enable",), {"ep": 2}, r"expert_parallel_degree > 1"),
+        (("--compile.enable", "--fp8flow.recipe", "rowwise"), {}, 'fp8flow.recipe = "rowwise"'),
+        (("--compile.enable", "--fp8flow.backward", "bf16"), {}, r'fp8flow.backward = "bf16" \(an ablation'),
+        (("--compile.enable", "--fp8flow.backward", "bf16_wgrad"), {}, 'fp8flow.backward = "bf16_wgrad"'),
+        (("--compile.enable", "--compile.backend", "aot_eager"), {}, 'needs compile.backend = "inductor"'),
+        (("--compile.enable", "--fp8flow.weight_cache", "step"), {}, 'fp8flow.weight_cache = "step"'),
+        (("--compile.enable",), {"dp_shard": 2}, "under FSDP.*not been measured"),
+        (("--compile.enable",), {"cp": 2}, "under FSDP.*not been measured"),
+        (("--compile.enable",), {"dp_replicate": 2, "dp_shard": 2}, "under FSDP"),  # HSDP
+        (("--compile.enable", "--activation_checkpoint.mode", "full"), {}, 'activation_checkpoint.mode = "none"'),
+        (("--compile.enable", "--activation_checkpoint.mode", "selective"), {}, "activation_checkpoint"),
+        (("--compile.enable",), {"pp": 2}, "pipeline parallelism"),
+    ],
+    ids=[
+        "off",
+        "auto-no-compile",
+        "auto-loss-only",
+        "ep",
+        "rowwise",
+        "bf16",
+        "bf16_wgrad",
+        "aot_eager",
+        "step",
+        "fsdp",
+        "cp",
+        "hsdp",
+        "full-ac",
+        "selective-ac",
+        "pp",
+    ],
+)
+def test_compile_mode_refuses_what_it_cannot_apply(args: tuple[str, ...], dims: dict[str, int], match: str) -> None:
+    """Each setting under which "reduce-overhead" would do nothing or is unmeasured: a ValueError at conversion."""
+    cfg = parse(*TT_ARGS, "--activation_checkpoint.mode", "none", *args, "--fp8flow.compile_mode", "reduce-overhead")
+    world = parallel_dims(**dims) if dims else None
+    with pytest.raises(ValueError, match=r'fp8flow\.compile_mode = "reduce-overhead".*' + match):
+        FP8FlowConverter(cfg, world)
+
+
+def test_compile_mode_refuses_unknown_values() -> None:
+    cfg = parse(*TT_ARGS, "--compile.enable")
+    cfg.fp8flow.compile_mode = "max-autotune"
+    with pytest.raises(ValueError, match='fp8flow.compile_mode must be "default" or "reduce-overhead"'):
+        FP8FlowConverter(cfg, None)
+
+
 @pytest.fixture
 def torchtitan_compile_globals(monkeypatch: pytest.MonkeyPatch):
     """Undo what torchtitan's ``apply_compile`` changes for the whole process (its BF16 experts' function
@@ -443,3 +546,41 @@ def test_expert_parallel_under_torchrun_trains_like_bf16(tmp_path: Path, corpus:
     fp8 = _torchrun_cpu_losses(fp8_toml, tmp_path / "fp8flow", corpus, *flags)
     assert len(bf16) == len(fp8) == 3 and fp8[-1] < fp8[0]
     assert all(abs(f - b) <= 0.01 * b for f, b in zip(fp8, bf16, strict=True)), (fp8, bf16)
+
+
+def _gpu_losses(args: list[str]) -> list[float]:
+    """torchtitan's Trainer in this process on the one GPU (one rank), its logged losses."""
+    import os
+
+    from torchtitan.config import ConfigManager
+
+    from fp8flow_ao.torchtitan.record import train_recorded
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(cpu.free_port())
+    try:
+        return train_recorded(ConfigManager().parse_args(args)).losses
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_trainer_with_cuda_graph_experts_matches_the_compiled_path(
+    tmp_path: Path, corpus: Path, torchtitan_compile_globals
+) -> None:
+    """``fp8flow.compile_mode = "reduce-overhead"``: the routed experts replay as CUDA graphs (recorded by
+    inductor's CUDA graph trees), with the same losses as the default compiled path. (Under activation
+    checkpointing the converter refuses the mode: on the H200 the recomputed forward's replay overwrote
+    outputs its backward still read, and torch raised.)"""
+    from torch._inductor import cudagraph_trees
+
+    flags = ["--compile.enable", "--activation_checkpoint.mode", "none", "--training.steps", "4"]
+    default = _gpu_losses(_debugmodel_args(corpus, tmp_path / "default", *flags))
+    torch._dynamo.reset()
+    graphs = _gpu_losses(
+        _debugmodel_args(corpus, tmp_path / "graphs", *flags, "--fp8flow.compile_mode", "reduce-overhead")
+    )
+    assert cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False) is not None
+    assert len(graphs) == 4 and all(math.isfinite(x) for x in graphs)
+    assert graphs == pytest.approx(default, rel=1e-6, abs=0)

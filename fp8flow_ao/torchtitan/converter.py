@@ -12,7 +12,9 @@ does not divide the expert count) raise a ``ValueError`` naming the setting befo
 torchtitan's ``apply_compile`` skips each MoE layer's ``experts`` module, so the converter compiles the
 FP8-Flow routed path itself (``fp8flow.compile_experts``, by default whenever torchtitan compiles the
 model): :attr:`~fp8flow_ao.moe.FP8FlowGroupedExperts.fp8flow_compile_backend` is set on every converted
-layer, and its ``forward`` calls the routed path through ``torch.compile(fullgraph=True)``.
+layer, and its ``forward`` calls the routed path through ``torch.compile(fullgraph=True)``;
+``fp8flow.compile_mode = "reduce-overhead"`` sets its ``mode`` (CUDA graphs) through
+:attr:`~fp8flow_ao.moe.FP8FlowGroupedExperts.fp8flow_compile_mode`.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def _experts_compile_backend(job_config: JobConfig, options: FP8Flow, ep_degree:
 
     ``fp8flow.compile_experts``: "auto" follows torchtitan's own switch (``compile.enable`` and "model" in
     ``compile.components``), "on" compiles always, "off" never. Expert parallelism runs eagerly (its
-    split sizes are host integers); "on" there, or with the rowwise recipe, is a ``ValueError``.
+    split sizes are host integers), and so do the ablation backwards; "on" with expert parallelism or with
+    the rowwise recipe is a ``ValueError``.
     """
     mode = options.compile_experts
     if mode not in ("auto", "on", "off"):
@@ -73,11 +76,81 @@ def _experts_compile_backend(job_config: JobConfig, options: FP8Flow, ep_degree:
             "the expert-parallel FP8 dispatch sizes its all-to-alls with host integers, which a fullgraph "
             'compile cannot hold; use "auto" (eager there) or "off"'
         )
+    return None if _eager_reason(job_config, options, ep_degree) else job_config.compile.backend
+
+
+def _eager_reason(job_config: JobConfig, options: FP8Flow, ep_degree: int) -> str | None:
+    """The setting that runs the FP8-Flow routed experts eagerly, or None when they are compiled."""
+    from fp8flow_ao.moe import ABLATIONS
+
+    if options.recipe != "blockwise":
+        return f'fp8flow.recipe = "{options.recipe}" (torchtitan\'s own expert path, which it compiles itself)'
+    if ep_degree > 1:
+        return "parallelism.expert_parallel_degree > 1 (its all-to-all split sizes are host integers)"
+    if options.backward in ABLATIONS:
+        return f'fp8flow.backward = "{options.backward}" (an ablation: its backward runs autograd on a BF16 graph)'
+    if options.compile_experts == "off":
+        return 'fp8flow.compile_experts = "off"'
     compile_ = job_config.compile
-    enabled = mode == "on" or (mode == "auto" and compile_.enable and "model" in compile_.components)
-    if not enabled or ep_degree > 1 or options.recipe != "blockwise":
+    if options.compile_experts == "auto" and not (compile_.enable and "model" in compile_.components):
+        return (
+            'fp8flow.compile_experts = "auto" while torchtitan does not compile the model '
+            f"(compile.enable = {compile_.enable}, compile.components = {compile_.components})"
+        )
+    return None
+
+
+def _experts_compile_mode(
+    job_config: JobConfig, options: FP8Flow, parallel_dims: ParallelDims | None, ep_degree: int
+) -> str | None:
+    """``torch.compile``'s ``mode`` for the compiled routed experts (None: torch's default).
+
+    ``fp8flow.compile_mode = "reduce-overhead"`` (CUDA graphs) is a ``ValueError`` wherever it would do
+    nothing or has not been measured, so a run never reports a mode it did not use.
+    """
+    mode = options.compile_mode
+    if mode not in ("default", "reduce-overhead"):
+        raise ValueError(f'fp8flow.compile_mode must be "default" or "reduce-overhead", got {mode!r}')
+    if mode == "default":
         return None
-    return compile_.backend
+    reason = _eager_reason(job_config, options, ep_degree)
+    if reason is not None:
+        raise ValueError(
+            f'fp8flow.compile_mode = "reduce-overhead" would do nothing: the routed experts run eagerly with {reason}'
+        )
+    if job_config.compile.backend != "inductor":
+        raise ValueError(
+            'fp8flow.compile_mode = "reduce-overhead" needs compile.backend = "inductor" (CUDA graphs are an '
+            f"inductor mode), got {job_config.compile.backend!r}"
+        )
+    if options.weight_cache == "step":
+        # fp8flow_routed_experts refuses the pair too, but only at the first forward.
+        raise ValueError(
+            'fp8flow.compile_mode = "reduce-overhead" with fp8flow.weight_cache = "step" would copy the cached FP8 '
+            'weights into the CUDA graphs\' input buffers on every replay; use weight_cache = "forward" or "off"'
+        )
+    if job_config.activation_checkpoint.mode != "none":
+        # Measured on an H200 (test_trainer_with_cuda_graph_experts_matches_the_compiled_path): torch raises
+        # "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run".
+        raise ValueError(
+            'fp8flow.compile_mode = "reduce-overhead" needs activation_checkpoint.mode = "none", got '
+            f"{job_config.activation_checkpoint.mode!r}: checkpointing runs each layer's forward again inside its "
+            "backward, and that replay of the CUDA graph overwrites outputs the backward still reads"
+        )
+    if parallel_dims is not None and parallel_dims.pp_enabled:
+        raise ValueError(
+            'fp8flow.compile_mode = "reduce-overhead" is not supported with pipeline parallelism: a stage runs '
+            "several micro-batches' forwards before their backwards, and each replay of the CUDA graph overwrites "
+            "the previous one's outputs"
+        )
+    # torchtitan's parallelize applies FSDP2 exactly when fsdp_enabled (dp_shard > 1 or cp > 1).
+    if parallel_dims is not None and parallel_dims.fsdp_enabled:
+        raise ValueError(
+            'fp8flow.compile_mode = "reduce-overhead" is not supported under FSDP (parallelism.'
+            "data_parallel_shard_degree or context_parallel_degree > 1): CUDA graphs take each weight's address "
+            "as fixed, FSDP2 re-allocates the unsharded expert weights every step, and the pair has not been measured"
+        )
+    return mode
 
 
 def _check_expert_counts(model: nn.Module, ep_degree: int) -> None:
@@ -114,6 +187,7 @@ class FP8FlowConverter(ModelConverter):
         # parallel_dims is None when the converter is built outside torchtitan's Trainer (one process).
         self.ep_degree = parallel_dims.ep if parallel_dims is not None else 1
         self.compile_backend = _experts_compile_backend(job_config, options, self.ep_degree)
+        self.compile_mode = _experts_compile_mode(job_config, options, parallel_dims, self.ep_degree)
         if options.recipe == "blockwise":
             if parallel_dims is not None:
                 _check_parallelism(job_config, parallel_dims)
@@ -143,11 +217,13 @@ class FP8FlowConverter(ModelConverter):
         for module in model.modules():
             if isinstance(module, FP8FlowMoE):
                 module.experts.fp8flow_compile_backend = self.compile_backend
+                module.experts.fp8flow_compile_mode = self.compile_mode
         logger.info(
             f"fp8flow: converted the MoE layers to FP8-Flow (recipe={self.options.recipe}, "
             f"recompute_experts={self.options.recompute_experts}, weight_cache={self.options.weight_cache}, "
             f"backward={self.options.backward}, "
-            f"compiled experts={self.compile_backend or 'no'}, skipped fqns={self.options.filter_fqns})"
+            f"compiled experts={self.compile_backend or 'no'}, compile_mode={self.options.compile_mode}, "
+            f"skipped fqns={self.options.filter_fqns})"
         )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:

@@ -10,6 +10,7 @@ torchtitan 0.2.2 merges a custom ``JobConfig`` dataclass into its own when given
     filter_fqns = ["layers.1."]
     weight_cache = "off"
     compile_experts = "auto"
+    compile_mode = "default"
     backward = "fp8"
 """
 
@@ -50,6 +51,24 @@ class FP8Flow:
     there): its all-to-all split sizes are host integers, which no full graph holds. ``recipe = "blockwise"``
     only ("on" is refused with "rowwise", which runs torchtitan's own expert path, compiled by torchtitan).
     With ``weight_cache = "step"`` the cache lookup runs before the graph and hands it the FP8 tiles."""
+
+    compile_mode: Literal["default", "reduce-overhead"] = "default"
+    """``torch.compile``'s ``mode`` for the routed path that ``compile_experts`` compiles: "default", or
+    "reduce-overhead", which replays the path's forward and backward as CUDA graphs and so takes most of its
+    host time away; it helps where the compiled path is host-bound (its kernels enqueued slower than the GPU
+    runs them). On an H200, a Qwen3-30B-A3B-like layer (T=8192, D=2048, H=768, E=128, top-8) spent 4.8-6.1 ms
+    of host time a step against 4.1 ms of device work and ran 0.88-1.56x BF16 depending on the host, and
+    ~1 ms and 1.47-1.58x in every repetition under CUDA graphs; the device-bound DeepSeek-like layer ran
+    1.38-1.40x either way. Refused where it would do nothing (the path runs eagerly: ``compile_experts``,
+    torchtitan not compiling the model, expert parallelism, ``recipe = "rowwise"``, an ablation ``backward``),
+    with a ``compile.backend`` other than "inductor" (CUDA graphs are an inductor mode), with ``weight_cache =
+    "step"`` (its cached FP8 weights would be copied into the graphs' input buffers on every replay), with
+    activation checkpointing or pipeline parallelism (a layer's forward runs again, or for the next
+    micro-batch, before its backward, and the graph's replay overwrites outputs that backward still reads:
+    torch raised on the H200 with full checkpointing), and under FSDP (``data_parallel_shard_degree`` or
+    ``context_parallel_degree`` > 1): CUDA graphs take each weight's address as fixed while FSDP2
+    re-allocates the unsharded weights every step, not measured yet. The converter tests it on one GPU
+    (``test_trainer_with_cuda_graph_experts_matches_the_compiled_path``: the same losses as "default")."""
 
     backward: Literal[
         "fp8", "bf16", "bf16_wgrad", "bf16_fc1_dgrad", "emulated_fp8_fc1_dgrad", "emulated_sr_fc1_dgrad"
