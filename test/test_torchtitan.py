@@ -548,23 +548,6 @@ def test_expert_parallel_under_torchrun_trains_like_bf16(tmp_path: Path, corpus:
     assert all(abs(f - b) <= 0.01 * b for f, b in zip(fp8, bf16, strict=True)), (fp8, bf16)
 
 
-def _gpu_losses(args: list[str]) -> list[float]:
-    """torchtitan's Trainer in this process on the one GPU (one rank), its logged losses."""
-    import os
-
-    from torchtitan.config import ConfigManager
-
-    from fp8flow_ao.torchtitan.record import train_recorded
-
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(cpu.free_port())
-    try:
-        return train_recorded(ConfigManager().parse_args(args)).losses
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
 @pytest.mark.gpu
 def test_trainer_with_cuda_graph_experts_matches_the_compiled_path(
     tmp_path: Path, corpus: Path, torchtitan_compile_globals
@@ -573,14 +556,19 @@ def test_trainer_with_cuda_graph_experts_matches_the_compiled_path(
     inductor's CUDA graph trees), with the same losses as the default compiled path. (Under activation
     checkpointing the converter refuses the mode: on the H200 the recomputed forward's replay overwrote
     outputs its backward still read, and torch raised.)"""
+    import sys
+
     from torch._inductor import cudagraph_trees
 
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from _torchtitan import train  # the benchmarks' in-process one-GPU run
+
     flags = ["--compile.enable", "--activation_checkpoint.mode", "none", "--training.steps", "4"]
-    default = _gpu_losses(_debugmodel_args(corpus, tmp_path / "default", *flags))
+    default = train(_debugmodel_args(corpus, tmp_path / "default", *flags), "cuda").losses
     torch._dynamo.reset()
-    graphs = _gpu_losses(
-        _debugmodel_args(corpus, tmp_path / "graphs", *flags, "--fp8flow.compile_mode", "reduce-overhead")
-    )
+    graphs = train(
+        _debugmodel_args(corpus, tmp_path / "graphs", *flags, "--fp8flow.compile_mode", "reduce-overhead"), "cuda"
+    ).losses
     assert cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False) is not None
     assert len(graphs) == 4 and all(math.isfinite(x) for x in graphs)
     assert graphs == pytest.approx(default, rel=1e-6, abs=0)
