@@ -4,20 +4,21 @@ Cases: DeepSeek-V3-like (D = 7168, E = 32) and Qwen3-30B-A3B-like (D = 2048, E =
 T*k = 32768 and 65536 routed rows, balanced and skewed (Zipf, some experts empty) routing.
 
 Timed (inputs rotated past L2):
-* ``permute_pad`` end to end (``route_pad`` on the router ids + the gather kernel + permuted probs),
+* ``permute_pad`` end to end (``route_pad`` on the router ids + the row kernel, scattering where rows are
+  >= 4 KiB, + permuted probs),
   against ``torch.compile(fullgraph=True)`` of ``permute_pad_reference`` and against the unfused eager
   sequence a user would write (argsort, index_select gather, then a copy into the zeroed padded buffer,
   for data, scales and probs);
-* the gather kernel alone (``permute_pad_rows`` given ``src_rows``), against ``torch.compile`` of
-  ``permute_pad_rows_reference``.
+* the row kernel alone, both forms: gathering (``permute_pad_rows`` given ``src_rows``) and scattering (given
+  ``dst_rows`` too), against ``torch.compile`` of ``permute_pad_rows_reference``.
 
 Bytes at the algorithmic minimum (each input read once, each output written once):
 * end to end: read x ``T*D`` (1 B) + scales ``T*D/128*4`` + ids ``T*k*8`` + probs ``T*k*4``; write data
   ``M_pad*D`` + scales ``M_pad*D/128*4`` + probs ``M_pad*4`` + src_rows ``M_pad*4`` + dst_rows ``T*k*4`` + offsets;
-* gather: read x + scales + src_rows; write data + scales.
+* gather / scatter: read x + scales + src_rows; write data + scales (the scatter's dst_rows, T*k*4, not counted).
 ``M_pad`` is the static bound the kernel writes in full (pad rows and the unused tail are zeroed).
-Each token row is read once at the minimum but fetched k times by the gather (from L2 when it stays
-there); ``gbps_rows_fetched`` counts those k fetches, the traffic if none of them hit L2.
+Each token row is read once at the minimum, and once by the scatter, but fetched k times by the gather
+(from L2 when it stays there); ``gbps_rows_fetched`` (gather rows) counts those k fetches.
 ``device_us`` (ours, both row kinds) is the call's device time with the host excluded (``_bench.device_us``):
 ``ours_us`` of the 5-launch end-to-end call follows the host CPU wherever the host is the slower.
 """
@@ -31,12 +32,14 @@ from _bench import DEVICE_NOTE, bench_us, device_us, n_rotations, routed_expert_
 
 from fp8flow_ao._format import BLOCK, FP8_DTYPE
 from fp8flow_ao.kernels.permute_pad import (
+    launch_permute_pad_rows,
     padded_rows_bound,
     permute_pad,
     permute_pad_reference,
     permute_pad_rows,
     permute_pad_rows_reference,
     route_pad,
+    scatter_pays,
 )
 from fp8flow_ao.shapes import BENCH_DISPATCH_ROWS, DEEPSEEK_V3, QWEN3_30B_A3B
 
@@ -65,6 +68,15 @@ def unfused_permute_pad(x, x_scale, expert_indices, probs, num_experts):
     return out.view(FP8_DTYPE), out_scale, out_probs, torch.cumsum(padded, 0)
 
 
+def _gather(x, x_scale, src_rows, dst_rows, top_k):
+    return permute_pad_rows(x, x_scale, src_rows, top_k)
+
+
+def _scatter(x, x_scale, src_rows, dst_rows, top_k):
+    """The scattering form pinned (the op scatters only where ``scatter_pays``): timed at every shape."""
+    return launch_permute_pad_rows(x, x_scale, src_rows, top_k, dst_rows, scatter=True)
+
+
 def _inputs(tokens: int, dim: int, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     x = (torch.randn(tokens, dim, device="cuda") * 64).to(FP8_DTYPE)
     x_scale = torch.exp2(torch.randint(-8, 8, (tokens, dim // BLOCK), device="cuda").float())
@@ -82,7 +94,7 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
         _inputs(tokens, dim, routed_expert_ids(total_rows, top_k, experts, skewed, seed=i))
         for i in range(n_rotations(set_bytes))
     ]
-    gather_sets = [(x, s, route_pad(ids, experts)[0], top_k) for x, s, ids, _ in sets]
+    gather_sets = [(x, s, *route_pad(ids, experts)[:2], top_k) for x, s, ids, _ in sets]
     full_args = [(*s, experts) for s in sets]
 
     got, want = permute_pad(*full_args[0]), unfused_permute_pad(*full_args[0])
@@ -90,21 +102,24 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
         raise RuntimeError(f"permute_pad and the unfused baseline disagree on {shape.name} T*k={total_rows}")
     ours = bench_us(permute_pad, full_args)
     route_us = bench_us(route_pad, [(ids, experts) for _, _, ids, _ in sets])
-    gather = bench_us(permute_pad_rows, gather_sets)
+    gather = bench_us(_gather, gather_sets)
+    scatter = bench_us(_scatter, gather_sets)
     ref_full = bench_us(compiled["full"], full_args)
     eager = bench_us(unfused_permute_pad, full_args)
-    ref_gather = bench_us(compiled["gather"], gather_sets)
+    ref_gather = bench_us(lambda x, s, src, dst, k: compiled["gather"](x, s, src, k), gather_sets)
 
     out_bytes = m_pad * dim + m_pad * nb * 4
     gather_bytes = set_bytes - total_rows * 12 + m_pad * 4 + out_bytes
     full_bytes = set_bytes + out_bytes + m_pad * 8 + total_rows * 4 + experts * 4
     fetched = (total_rows - tokens) * (dim + nb * 4)  # the k-1 extra fetches of each token row
     case = f"{shape.name} T*k={total_rows} D={dim} E={experts} {'skewed' if skewed else 'balanced'}"
-    full = {"what": "route_pad + gather + probs", "route_pad_us": round(route_us, 2)}
+    form = "scatter" if scatter_pays(dim, top_k) else "gather"
+    full = {"what": f"route_pad + {form} + probs", "route_pad_us": round(route_us, 2)}
     full["device_us"] = device_us(permute_pad, full_args)
-    full["gbps_rows_fetched"] = round((full_bytes + fetched) / ours / 1e3, 1)
     part = {"what": "gather only", "gbps_rows_fetched": round((gather_bytes + fetched) / gather / 1e3, 1)}
-    part["device_us"] = device_us(permute_pad_rows, gather_sets)
+    part["device_us"] = device_us(_gather, gather_sets)
+    scattered = {"what": "scatter only (pinned)", "gbps_rows_fetched": None}
+    scattered["device_us"] = device_us(_scatter, gather_sets)
     return [
         row(case, ours, "torch.compile(fullgraph) permute_pad_reference", ref_full, bytes_moved=full_bytes, **full),
         row(case, ours, "unfused eager (argsort, index_select, pad copy)", eager, bytes_moved=full_bytes, **full),
@@ -115,6 +130,14 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
             ref_gather,
             bytes_moved=gather_bytes,
             **part,
+        ),
+        row(
+            case,
+            scatter,
+            "torch.compile(fullgraph) permute_pad_rows_reference",
+            ref_gather,
+            bytes_moved=gather_bytes,
+            **scattered,
         ),
     ]
 
@@ -135,11 +158,13 @@ def main() -> None:
         for r in bench_case(shape, total_rows, skewed, compiled)
     ]
     notes = (
-        "permute_pad rows time the whole public call: route_pad (three kernels: per-block expert counts, "
-        "their scan into offsets and bases, the row scatter) + the fused FP8 data+scale gather + permuted "
-        "probs; route_pad_us is route_pad alone. "
-        "'gather only' rows time permute_pad_rows given src_rows. Bytes at the algorithmic minimum "
-        "(x read once, all M_pad output rows written); gbps_rows_fetched counts each token row k times. " + DEVICE_NOTE
+        "permute_pad rows time the whole public call: route_pad (three kernels: per-block expert counts, their "
+        "scan into offsets and bases, the row scatter) + the fused FP8 data+scale row kernel (scatter or gather, "
+        "see 'what') + permuted probs; route_pad_us is route_pad alone. 'gather only' rows time permute_pad_rows "
+        "given src_rows (each padded row reads its token), 'scatter only (pinned)' rows the kernel's scattering "
+        "form (each token read once, written to its k rows), which permute_pad runs where scatter_pays (rows >= 4 "
+        "KiB). Bytes at the algorithmic minimum (x read once, all M_pad output rows written); gbps_rows_fetched "
+        "(gather rows) counts each token row k times. " + DEVICE_NOTE
     )
     write_results("permute_pad", rows, notes)
 

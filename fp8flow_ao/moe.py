@@ -192,10 +192,12 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         x_dtype, probs_dtype, _, _, w3_dtype = ctx.dtypes
         if ctx.backward == "bf16":  # the ablation: no FP8 in backward
             h = fc1_saved[0]
-            xp, xp_scale = _gather_again(rows, rows_scale, src_rows, rows_k)
+            xp, xp_scale = _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k)
             grads = _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx)
         else:
-            grads = _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, offs, w1, w2, w3, kept, fc1_saved)
+            grads = _grads_fp8(
+                ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, kept, fc1_saved
+            )
         grad_xp, grad_probs_p, grad_w2, grad_w13 = grads
 
         # Back to tokens: dx[t] = sum over the token's k rows; grad probs[t, j] = its row's value. Under
@@ -223,13 +225,13 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         )
 
 
-def _gather_again(rows, rows_scale, src_rows, rows_k):
+def _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k):
     """The token rows again, in the forward's padded expert-major order (a gather, no cast), as an op
     torch.compile cannot merge with forward's gather (which would save the permuted rows, k x8's bytes)."""
-    return permute_pad_rows(rows, rows_scale, src_rows, rows_k, recompute=True)
+    return permute_pad_rows(rows, rows_scale, src_rows, rows_k, recompute=True, dst_rows=dst_rows)
 
 
-def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, offs, w1, w2, w3, kept, fc1_saved):
+def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, kept, fc1_saved):
     """FP8-Flow's backward from the FP8 token rows ``rows`` (permuted again by ``src_rows`` where needed) to
     (grad xp ``[M, D]`` BF16, grad probs_p ``[M]``, grad w2 ``[E, D, H]``, grad W13 ``[2, E, H, D]``); the
     weight gradients in the weights' dtypes."""
@@ -247,7 +249,7 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, offs, w1, w2,
         else None
     )
     if ctx.recompute:
-        xp, xp_scale = _gather_again(rows, rows_scale, src_rows, rows_k)
+        xp, xp_scale = _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k)
         h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw13.fc1(), probs_p, offs, ctx.score_before)
         del xp, xp_scale
     else:
@@ -257,7 +259,7 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, offs, w1, w2,
     dy_data, dy_scale = quantize_1x128(grad_out.contiguous())
     if plan is not None:  # to the experts' ranks in FP8, along the forward's routes
         dy_data, dy_scale, _ = dispatch(dy_data, dy_scale, plan)
-    dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, rows_k)
+    dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, rows_k, dst_rows=dst_rows)
 
     # FC2 dgrad: da [M, H] = dy @ w2 per expert, RHS = exact FP8 w2^T [E, H, D].
     qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2", in_gemm=in_gemm)
@@ -290,7 +292,7 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, offs, w1, w2,
         xp_t, xp_t_scale = scaling_aware_transpose(rows, rows_scale, offs, src_rows, rows_k)
         grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2)
     else:
-        xp, xp_scale = _gather_again(rows, rows_scale, src_rows, rows_k)
+        xp, xp_scale = _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k)
         _, _, grad_w2, grad_w13 = _grads_bf16(
             grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx, grad_a
         )

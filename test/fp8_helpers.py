@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import torch
 from conftest import INTERPRETING
@@ -175,6 +176,13 @@ def build_every_sm90_config(
         extra=f", {extra}" if extra else "",
         smem_extra=f", {smem_extra}" if smem_extra else "",
     )
+    return run_compiling(code)
+
+
+def run_compiling(code: str) -> Any:
+    """Run ``code`` in a fresh process without ``TRITON_INTERPRET`` (kernels then compile: the interpreter runs
+    them without compiling, so it misses what only the compiler refuses) and return the JSON value its last
+    printed line holds."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

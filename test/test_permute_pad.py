@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE
-from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows, make_routing
+from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows, make_routing, run_compiling
 
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, dequantize_rows_reference, quantize_rows_reference
 from fp8flow_ao.kernels.permute_pad import (
+    SCATTER_MIN_ROW_BYTES,
     PermutePadResult,
     launch_permute_pad_rows,
     launch_route_pad,
@@ -19,6 +20,7 @@ from fp8flow_ao.kernels.permute_pad import (
     permute_pad_rows_reference,
     route_pad,
     route_pad_reference,
+    scatter_pays,
 )
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 
@@ -151,11 +153,14 @@ def _assert_rows_equal(actual: torch.Tensor, expected: torch.Tensor, name: str) 
 @pytest.mark.parametrize(
     ("dtype", "cols"), [(FP8_DTYPE, 384), (FP8_DTYPE, 200), (torch.bfloat16, 200), (torch.float32, 64)]
 )
-def test_gather_kernel_matches_reference(routing, dtype, cols):
+@pytest.mark.parametrize("scatter", [False, True], ids=["gather", "scatter"])
+def test_gather_kernel_matches_reference(routing, dtype, cols, scatter):
+    """Both forms of the kernel: gathering by src_rows, and (given dst_rows, top_k > 1) scattering each token
+    to its rows with the pad rows zeroed by their own programs."""
     kind, tokens, top_k, experts = routing
     x, x_scale = _random_rows(dtype, tokens, cols)
-    src_rows, _, _ = route_pad(make_routing(kind, tokens, top_k, experts, DEVICE), experts)
-    data, scale = launch_permute_pad_rows(x, x_scale, src_rows, top_k)
+    src_rows, dst_rows, _ = route_pad(make_routing(kind, tokens, top_k, experts, DEVICE), experts)
+    data, scale = launch_permute_pad_rows(x, x_scale, src_rows, top_k, dst_rows, scatter=scatter)
     ref_data, ref_scale = permute_pad_rows_reference(
         x.cpu(), None if x_scale is None else x_scale.cpu(), src_rows.cpu(), top_k
     )
@@ -168,6 +173,22 @@ def test_gather_kernel_matches_reference(routing, dtype, cols):
     _assert_rows_equal(ref_data[real], x.cpu()[src[real] // top_k], "reference rows")
 
 
+def test_the_launcher_scatters_where_it_pays():
+    """Given dst_rows the op scatters wide rows of several experts per token and gathers otherwise (same
+    rows either way); the pinned form needs dst_rows."""
+    assert scatter_pays(7168, 8) and scatter_pays(SCATTER_MIN_ROW_BYTES, 2)
+    assert not scatter_pays(2048, 8) and not scatter_pays(7168, 1)
+    x, x_scale = _random_rows(FP8_DTYPE, 30, SCATTER_MIN_ROW_BYTES)
+    src_rows, dst_rows, _ = route_pad(make_routing("skewed", 30, 3, 4, DEVICE), 4)
+    ref = permute_pad_rows_reference(x.cpu(), x_scale.cpu(), src_rows.cpu(), 3)
+    for form in (None, True, False):
+        data, scale = launch_permute_pad_rows(x, x_scale, src_rows, 3, dst_rows, scatter=form)
+        assert_fp8_equal(data, ref[0])
+        assert_scales_equal(scale, ref[1])
+    with pytest.raises(ValueError, match="scatter=True needs dst_rows"):
+        launch_permute_pad_rows(x, x_scale, src_rows, 3, scatter=True)
+
+
 def test_gather_row_stride_is_free():
     x, x_scale = _random_rows(FP8_DTYPE, 40, 512)
     src_rows, _, _ = route_pad(make_routing("distinct", 40, 2, 3, DEVICE), 3)
@@ -178,6 +199,37 @@ def test_gather_row_stride_is_free():
     )
     assert_fp8_equal(data, ref_data)
     assert_scales_equal(scale, ref_scale)
+
+
+_BUILD_ROW_KERNEL = """
+import json
+from fp8flow_ao.kernels._sm90_common import compile_for_sm90
+from fp8flow_ao.kernels.permute_pad import _PAD_ROWS, _permute_pad_rows_kernel
+built = []
+for scatter in (False, True):
+    for bits, has_scale in (("*u8", True), ("*i16", False), ("*i32", False)):
+        ptrs = dict.fromkeys(("x_ptr", "data_ptr"), bits)
+        ints = ("num_rows", "num_tokens", "cols", "num_scale_cols", "top_k", "stride_xm", "stride_sm")
+        signature = {**ptrs, **dict.fromkeys(("x_scale_ptr", "src_rows_ptr", "dst_rows_ptr", "scale_ptr"), "*i32")}
+        signature.update(dict.fromkeys(ints, "i32"))
+        constexprs = dict(BLOCK_M=8, BLOCK_D=1024, SCALE_COLS=8, HAS_SCALE=has_scale, SCATTER=scatter,
+                          PAD_ROWS=_PAD_ROWS)
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        kernel = compile_for_sm90(_permute_pad_rows_kernel, signature, constexprs)
+        built.append([scatter, bits, len(kernel.asm["cubin"])])
+print(json.dumps(built))
+"""
+
+
+def test_row_kernel_builds_for_sm90_in_both_forms():
+    """The CPU interpreter runs the row kernel without compiling it; compiled, a runtime branch must leave
+    no value whose type differs between its sides (the first scatter kernel did): build both forms for
+    sm_90a with Triton's own ptxas, FP8 rows with scales and 2- and 4-byte rows without."""
+    built = run_compiling(_BUILD_ROW_KERNEL)
+    assert [(scatter, bits) for scatter, bits, _ in built] == [
+        (s, b) for s in (False, True) for b in ("*u8", "*i16", "*i32")
+    ]
+    assert all(size > 0 for *_, size in built)
 
 
 @pytest.mark.parametrize("routing", [ROUTINGS[0], ROUTINGS[2], ROUTINGS[5]], ids=lambda r: r[0])
@@ -275,7 +327,7 @@ def test_opcheck(gather):
     op = getattr(torch.ops.fp8flow, gather).default
     tokens, top_k, experts = 24, 2, 3
     ids = make_routing("distinct", tokens, top_k, experts, DEVICE)
-    src_rows, _, _ = route_pad(ids, experts)
+    src_rows, dst_rows, _ = route_pad(ids, experts)
     probs = torch.rand(tokens, top_k, device=DEVICE, requires_grad=True)
     torch.library.opcheck(torch.ops.fp8flow.route_pad.default, (ids, experts, probs))
     torch.library.opcheck(torch.ops.fp8flow.route_pad.default, (ids, experts, None))
@@ -287,9 +339,11 @@ def test_opcheck(gather):
     # run the other checks, and check the no-mutation part of the schema here.
     checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(op, (x8, s8, src_rows, top_k), test_utils=checks)
+    torch.library.opcheck(op, (x8, s8, src_rows, top_k, dst_rows), test_utils=checks)
     assert_fp8_equal(x8, x8_before, "x8 after the op")
     x = torch.randn(tokens, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     torch.library.opcheck(op, (x, None, src_rows, top_k))
+    torch.library.opcheck(op, (x, None, src_rows, top_k, dst_rows))
     # the public function's recompute flag picks the second name and gives the same rows
     assert_fp8_equal(
         permute_pad_rows(x8, s8, src_rows, top_k, recompute=True)[0],
@@ -336,6 +390,22 @@ def test_bad_gather_input():
         permute_pad_rows(x, None, src, 0)
     with pytest.raises(ValueError, match="num_experts"):
         route_pad(torch.zeros(4, 2, dtype=torch.int32), -1)
+    with pytest.raises(ValueError, match=r"dst_rows must have shape \(8,\)"):
+        permute_pad_rows(x, None, src, 2, dst_rows=torch.zeros(7, dtype=torch.int32))
+    with pytest.raises(TypeError, match="dst_rows must have dtype"):
+        permute_pad_rows(x, None, src, 2, dst_rows=torch.zeros(8, dtype=torch.int64))
+
+
+def test_dst_rows_that_are_not_the_inverse_raise_in_validation_mode(monkeypatch):
+    """The scatter writes only the rows dst_rows names: a map that is not src_rows' inverse would leave
+    rows unwritten, so validation mode refuses it (a swapped pair, and a map naming one row twice)."""
+    x = torch.randn(6, 128, device=DEVICE).to(torch.bfloat16)
+    src_rows, dst_rows, _ = route_pad(make_routing("distinct", 6, 2, 3, DEVICE), 3)
+    monkeypatch.setenv("FP8FLOW_VALIDATE", "1")
+    permute_pad_rows(x, None, src_rows, 2, dst_rows=dst_rows)  # the inverse passes
+    for bad in (dst_rows[[1, 0, *range(2, 12)]], dst_rows[[0, 0, *range(2, 12)]]):
+        with pytest.raises(ValueError, match="dst_rows must be the inverse of src_rows"):
+            permute_pad_rows(x, None, src_rows, 2, dst_rows=bad.contiguous())
 
 
 @pytest.mark.parametrize("bad", [-1, 3])

@@ -224,11 +224,14 @@ def descriptor_signature(block: tuple[int, ...], dtype: torch.dtype) -> str:
     return f"tensordesc<{_GL_DTYPES[dtype]}[{dims}],{_nvmma_layout(block, dtype)!r}>"
 
 
-def compile_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> Any:
-    """Compile a Gluon kernel for sm_90a without a GPU (Triton's bundled ptxas), 4 default warps:
-    a build check, and the cubin and SASS for inspection (``.asm["cubin"]``)."""
+def compile_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> Any:
+    """Compile a Gluon or Triton kernel for sm_90a without a GPU (Triton's bundled ptxas): a build check
+    (the CPU interpreter runs kernels without compiling them), and the cubin and SASS for inspection
+    (``.asm["cubin"]``). ``num_warps``: a Gluon kernel's default partition, a Triton kernel's warps."""
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
-    source = GluonASTSource(kernel, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    source = source_type(kernel, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

@@ -15,7 +15,12 @@ run under ``torch.compile(fullgraph=True)`` and CUDA graphs):
    padded total. Within an expert, rows keep (token, slot) order.
 2. :func:`permute_pad_rows` (one Triton kernel) gathers ``x[src_rows[r] // k]`` into row ``r``,
    moving a row's data and its 1x128 ``scale_inv`` in the same program; pad rows and rows past the
-   last offset get data 0 and scale 0.
+   last offset get data 0 and scale 0. Given ``dst_rows`` too (``permute_pad`` and the FP8-Flow layer's
+   backward pass it), the same kernel scatters instead where rows are wide (:func:`scatter_pays`): each
+   token row is read once and written to its ``k`` rows, and programs of their own zero the pad rows.
+   Measured on an H200 (device time, FP8, top-8, D = 7168): the gather, which reads every token ``k``
+   times, reached 62-70% of copy bandwidth, the scatter 79-82%. Under a top-1 row map (expert
+   parallelism's dispatch, unaligned groups) both read each row once, and the launcher gathers.
 
 The same gather, given the same ``src_rows``, is the backward of the FP8-Flow layer's unweighted
 combine (an FP8 ``[T, D]`` output gradient with its scales). The backward of the gather for
@@ -62,6 +67,11 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 # triton 3.9) 8 x 1024 FP8 tiles take 96 registers (5 programs and ~40 KiB in flight per SM);
 # 16 KiB tiles took 168 (3 programs per SM), since every row of a tile costs its own addresses.
 _TILE_BYTES = 8192
+# scatter_pays: the narrowest row that scatters (between the measured 2048 bytes, no gain, and 7168, a gain).
+SCATTER_MIN_ROW_BYTES = 4096
+# Scattering permute_pad_rows: rows per program of the programs that zero the pad rows (they read only
+# src_rows and write only where it is -1; 64 and 128 measured the same on the H200, 64 by ~1%).
+_PAD_ROWS = 64
 # Widest column tile: 2 KiB of a row (FP8 D = 7168 gets 1024 columns: 7 tiles, no masked tail).
 _MAX_COL_BYTES = 2048
 # Route kernels: routed rows x expert lanes per program (a row's expert is a one-hot [rows, E] compare;
@@ -334,13 +344,27 @@ def _check_expert_indices(expert_indices: torch.Tensor, num_experts: int) -> Non
 
 
 @triton.jit
+def _row_block(rows_of, rows, ok, cols_):
+    """Pointers and masks of a block of rows of ``rows_of = (data, scales, data row stride, scale row
+    stride)``: ``[rows, offs]`` of the data and ``[rows, s_offs]`` of the scales (``cols_ = (offs, col_ok,
+    s_offs, s_ok)``)."""
+    ptr, scale_ptr, stride, scale_stride = rows_of
+    offs, col_ok, s_offs, s_ok = cols_
+    data = ptr + rows[:, None] * stride + offs[None, :]
+    scale = scale_ptr + rows[:, None] * scale_stride + s_offs[None, :]
+    return data, ok[:, None] & col_ok[None, :], scale, ok[:, None] & s_ok[None, :]
+
+
+@triton.jit
 def _permute_pad_rows_kernel(
     x_ptr,
     x_scale_ptr,
     src_rows_ptr,
+    dst_rows_ptr,
     data_ptr,
     scale_ptr,
     num_rows,
+    num_tokens,
     cols,
     num_scale_cols,
     top_k,
@@ -350,32 +374,74 @@ def _permute_pad_rows_kernel(
     BLOCK_D: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    SCATTER: tl.constexpr,
+    PAD_ROWS: tl.constexpr,
 ):
-    """One program: ``BLOCK_M`` padded rows x ``BLOCK_D`` columns and their ``SCALE_COLS`` scales.
+    """Gather: one program is ``BLOCK_M`` padded rows x ``BLOCK_D`` columns and their ``SCALE_COLS``
+    scales; row ``r`` copies token ``src_rows[r] // top_k``, rows with ``src_rows[r] < 0`` are written 0
+    and read nothing. Consecutive programs walk the columns of the same rows (one src_rows load, shared).
 
-    Row ``r`` copies token ``src_rows[r] // top_k``; rows with ``src_rows[r] < 0`` are written 0 and
-    read nothing. Consecutive programs walk the columns of the same rows (one src_rows load, shared).
+    ``SCATTER``: the first programs each read ``BLOCK_M`` tokens x ``BLOCK_D`` columns once and write
+    them to their ``top_k`` rows ``dst_rows[t * top_k + j]``; the programs after them write 0 into the
+    pad rows (``src_rows[r] < 0``) of ``PAD_ROWS``-row blocks. Same output; a token is read once, not
+    ``top_k`` times.
     """
     pid = tl.program_id(0)
     num_col_blocks = tl.cdiv(cols, BLOCK_D)
-    pid_m = pid // num_col_blocks
     pid_d = pid % num_col_blocks
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = offs < cols
+    s_offs = pid_d * SCALE_COLS + tl.arange(0, SCALE_COLS)
+    s_ok = s_offs < num_scale_cols
+    scatter_programs = tl.cdiv(num_tokens, BLOCK_M) * num_col_blocks if SCATTER else 0
+    cols_ = (offs, col_ok, s_offs, s_ok)
+    x = (x_ptr, x_scale_ptr, stride_xm, stride_sm)
+    out = (data_ptr, scale_ptr, cols, num_scale_cols)
+    if pid < scatter_programs:
+        toks = ((pid // num_col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        _scatter_tokens(x, out, dst_rows_ptr, toks, num_tokens, top_k, cols_, HAS_SCALE)
+    else:
+        block_rows: tl.constexpr = PAD_ROWS if SCATTER else BLOCK_M
+        rows = (((pid - scatter_programs) // num_col_blocks) * block_rows + tl.arange(0, block_rows)).to(tl.int64)
+        _fill_rows(x, out, src_rows_ptr, rows, num_rows, top_k, cols_, HAS_SCALE, SCATTER)
+
+
+@triton.jit
+def _scatter_tokens(x, out, dst_rows_ptr, toks, num_tokens, top_k, cols_, HAS_SCALE: tl.constexpr):
+    """Read the tokens ``toks`` of ``x`` once (the column block ``cols_``) and write them to their ``top_k``
+    rows of ``out``."""
+    tok_ok = toks < num_tokens
+    src, m, src_s, m_s = _row_block(x, toks, tok_ok, cols_)
+    vals = tl.load(src, mask=m)
+    if HAS_SCALE:
+        s = tl.load(src_s, mask=m_s)
+    for j in range(top_k):
+        dst = tl.load(dst_rows_ptr + toks * top_k + j, mask=tok_ok, other=0).to(tl.int64)
+        dst_data, _, dst_s, _ = _row_block(out, dst, tok_ok, cols_)
+        tl.store(dst_data, vals, mask=m)
+        if HAS_SCALE:
+            tl.store(dst_s, s, mask=m_s)
+
+
+@triton.jit
+def _fill_rows(x, out, src_rows_ptr, rows, num_rows, top_k, cols_, HAS_SCALE: tl.constexpr, SCATTER: tl.constexpr):
+    """Padded rows ``rows`` of ``out`` (the column block ``cols_``): pad rows 0; real rows their tokens of
+    ``x`` (gather), or left to the scatter programs (``SCATTER``)."""
     row_ok = rows < num_rows
     src = tl.load(src_rows_ptr + rows, mask=row_ok, other=-1)
     real = src >= 0
-    tok = (tl.where(real, src, 0) // top_k).to(tl.int64)
-    offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = offs < cols
-    vals = tl.load(x_ptr + tok[:, None] * stride_xm + offs[None, :], mask=real[:, None] & col_ok[None, :], other=0)
-    tl.store(data_ptr + rows[:, None] * cols + offs[None, :], vals, mask=row_ok[:, None] & col_ok[None, :])
-    if HAS_SCALE:
-        s_offs = pid_d * SCALE_COLS + tl.arange(0, SCALE_COLS)
-        s_ok = s_offs < num_scale_cols
-        s = tl.load(
-            x_scale_ptr + tok[:, None] * stride_sm + s_offs[None, :], mask=real[:, None] & s_ok[None, :], other=0
-        )
-        tl.store(scale_ptr + rows[:, None] * num_scale_cols + s_offs[None, :], s, mask=row_ok[:, None] & s_ok[None, :])
+    dst_data, m, dst_s, m_s = _row_block(out, rows, row_ok, cols_)
+    if SCATTER:
+        pad = ~real[:, None]
+        tl.store(dst_data, tl.zeros(dst_data.shape, dst_data.dtype.element_ty), mask=m & pad)
+        if HAS_SCALE:
+            tl.store(dst_s, tl.zeros(dst_s.shape, dst_s.dtype.element_ty), mask=m_s & pad)
+    else:
+        tok = (tl.where(real, src, 0) // top_k).to(tl.int64)
+        src_data, m_in, src_s, m_in_s = _row_block(x, tok, real, cols_)
+        tl.store(dst_data, tl.load(src_data, mask=m_in, other=0), mask=m)
+        if HAS_SCALE:
+            tl.store(dst_s, tl.load(src_s, mask=m_in_s, other=0), mask=m_s)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -388,31 +454,61 @@ def _empty_scale(x: torch.Tensor, x_scale: torch.Tensor | None, num_rows: int) -
     return torch.empty(shape, dtype=torch.float32, device=x.device)
 
 
+def scatter_pays(row_bytes: int, top_k: int) -> bool:
+    """Whether the row kernel scatters (reads each token once, writes its ``top_k`` rows) rather than gathers
+    (each padded row reads its token), given ``dst_rows``: with ``top_k > 1`` and rows of at least
+    :data:`SCATTER_MIN_ROW_BYTES`.
+
+    Measured on an H200 (device time, top-8, ``benchmarks/results/memory_bound_notes.md``): FP8 rows of 7168
+    bytes 14-26% faster scattered (T*k = 32768-131072, the source just written by the quantizer as in the
+    layer, or read cold); rows of 2048 bytes 10% slower at T*k = 32768 and equal at 65536 (the pad-row
+    programs and the scattered 2 KiB writes cost what the saved reads bring). At ``top_k = 1`` both read
+    each row once."""
+    return top_k > 1 and row_bytes >= SCATTER_MIN_ROW_BYTES
+
+
 def launch_permute_pad_rows(
-    x: torch.Tensor, x_scale: torch.Tensor | None, src_rows: torch.Tensor, top_k: int
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    src_rows: torch.Tensor,
+    top_k: int,
+    dst_rows: torch.Tensor | None = None,
+    *,
+    scatter: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`permute_pad_rows`,
-    but returns an empty scale tensor instead of ``None``."""
+    but returns an empty scale tensor instead of ``None``. Given ``dst_rows``, it scatters where that pays
+    (:func:`scatter_pays`) and gathers otherwise; ``scatter`` pins the form (tests, benchmarks; ``True``
+    needs ``dst_rows``)."""
     num_rows, cols = src_rows.shape[0], x.shape[1]
     data = torch.empty((num_rows, cols), dtype=x.dtype, device=x.device)
     scale = _empty_scale(x, x_scale, num_rows)
     if num_rows == 0 or cols == 0:
         return data, scale
     has_scale = x_scale is not None
+    if scatter is None:
+        scatter = dst_rows is not None and scatter_pays(cols * x.element_size(), top_k)
+    elif scatter and dst_rows is None:
+        raise ValueError("scatter=True needs dst_rows")
     # A column tile holds whole 128-column scale blocks, so each program moves its rows' scales too.
     block_d = col_block(cols, _MAX_COL_BYTES // x.element_size(), BLOCK if has_scale else 16)
     block_d = max(block_d, BLOCK) if has_scale else block_d
     block_m = max(1, _TILE_BYTES // (block_d * x.element_size()))
-    grid = (cdiv(num_rows, block_m) * cdiv(cols, block_d),)
+    col_blocks = cdiv(cols, block_d)
+    programs = cdiv(num_rows, _PAD_ROWS if scatter else block_m) * col_blocks
+    if scatter:
+        programs += cdiv(x.shape[0], block_m) * col_blocks
     launch_kernel(
         _permute_pad_rows_kernel,
-        grid,
+        (programs,),
         _bits(x),
         _bits(x_scale) if has_scale else src_rows,  # unread when HAS_SCALE is False
         src_rows,
+        dst_rows if scatter else src_rows,  # unread without SCATTER
         _bits(data),
         _bits(scale),
         num_rows,
+        x.shape[0],
         cols,
         scale.shape[1] if has_scale else 0,
         top_k,
@@ -422,6 +518,8 @@ def launch_permute_pad_rows(
         BLOCK_D=block_d,
         SCALE_COLS=block_d // BLOCK if has_scale else 1,
         HAS_SCALE=has_scale,
+        SCATTER=scatter,
+        PAD_ROWS=_PAD_ROWS,
         num_warps=4,
     )
     return data, scale
@@ -437,7 +535,7 @@ def permute_pad_rows_reference(
     return data, take_rows_or_zero(_bits(x_scale), src_rows, top_k).view(torch.float32)
 
 
-def _permute_pad_rows_fake(x, x_scale, src_rows, top_k):
+def _permute_pad_rows_fake(x, x_scale, src_rows, top_k, dst_rows=None):
     return x.new_empty((src_rows.shape[0], x.shape[1])), _empty_scale(x, x_scale, src_rows.shape[0])
 
 
@@ -450,28 +548,32 @@ def _dst_rows_from_src_rows(src_rows: torch.Tensor, num_src: int) -> torch.Tenso
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, _, src_rows, top_k = inputs
+    x, _, src_rows, top_k = inputs[:4]
     ctx.top_k, ctx.num_src, ctx.is_fp8 = top_k, x.shape[0] * top_k, x.dtype == FP8_DTYPE
     ctx.save_for_backward(src_rows)
 
 
 def _backward(ctx, grad_data: torch.Tensor, grad_scale: torch.Tensor):
     if ctx.is_fp8:  # FP8 data is not differentiated here: the FP8-Flow layer owns its FP8 backward
-        return None, None, None, None
+        return None, None, None, None, None
     (src_rows,) = ctx.saved_tensors
     dst_rows = _dst_rows_from_src_rows(src_rows, ctx.num_src)
     # grad_x[t] = sum_j grad_data[dst_rows[t*k + j]]: unpermute_unpad without probs.
     grad_x = torch.ops.fp8flow.unpermute_unpad(grad_data.contiguous(), dst_rows, ctx.top_k, None)
-    return grad_x, None, None, None
+    return grad_x, None, None, None, None
 
 
 def _register_permute_pad_rows(name: str):
     """The gather as the custom op ``fp8flow::<name>``: reference on the CPU, Triton on CUDA, fake, autograd."""
 
     def gather(
-        x: torch.Tensor, x_scale: torch.Tensor | None, src_rows: torch.Tensor, top_k: int
+        x: torch.Tensor,
+        x_scale: torch.Tensor | None,
+        src_rows: torch.Tensor,
+        top_k: int,
+        dst_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return permute_pad_rows_reference(x, x_scale, src_rows, top_k)
+        return permute_pad_rows_reference(x, x_scale, src_rows, top_k)  # dst_rows: the same rows
 
     op = define_op(name)(gather)
     op.register_kernel("cuda")(launch_permute_pad_rows)
@@ -503,8 +605,25 @@ def _check_rows_input(x: torch.Tensor, x_scale: torch.Tensor | None) -> None:
         raise ValueError(f"x_scale must be None for {x.dtype} x (only E4M3 x carries scales)")
 
 
+def _check_dst_rows(dst_rows: torch.Tensor, src_rows: torch.Tensor, routed: int) -> None:
+    """``dst_rows``: an int32 map of the ``routed`` rows into ``src_rows``' padded rows, its inverse."""
+    check_row_map("dst_rows", dst_rows, 0, src_rows.shape[0])
+    check_shape("dst_rows", dst_rows, (routed,))
+    check_same_device(src_rows=src_rows, dst_rows=dst_rows)
+    if validation_enabled() and routed:
+        back = src_rows.index_select(0, dst_rows.long())
+        inverse = torch.equal(back, torch.arange(routed, dtype=back.dtype, device=back.device))
+        if not inverse or int((src_rows >= 0).sum()) != routed:
+            raise ValueError("dst_rows must be the inverse of src_rows (src_rows[dst_rows[i]] == i for every i)")
+
+
 def permute_pad_rows(
-    x: torch.Tensor, x_scale: torch.Tensor | None, src_rows: torch.Tensor, top_k: int, recompute: bool = False
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    src_rows: torch.Tensor,
+    top_k: int,
+    recompute: bool = False,
+    dst_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gather token rows into padded expert-major order: row ``r`` = ``x[src_rows[r] // top_k]``.
 
@@ -518,6 +637,10 @@ def permute_pad_rows(
         recompute: ``True`` in a backward that gathers again what its forward gathered: the same
             result from a distinct op (``fp8flow::permute_pad_rows_recompute``), so torch.compile
             cannot merge the two gathers and save the gathered rows instead of ``x``.
+        dst_rows: optional int32 ``[T * top_k]`` contiguous inverse of ``src_rows`` (``src_rows[dst_rows[i]]
+            == i``; :func:`route_pad`'s). Given, the CUDA kernel may read each token once and write its
+            ``top_k`` rows instead of reading it once per row (same result; where :func:`scatter_pays`).
+            Its values and the inverse relation are checked only with ``FP8FLOW_VALIDATE=1``.
 
     Returns:
         ``(data, scale_inv)``: ``data`` ``[M_pad, D]`` in ``x``'s dtype, ``scale_inv`` fp32
@@ -530,8 +653,10 @@ def permute_pad_rows(
     check_same_device(x=x, x_scale=x_scale, src_rows=src_rows)
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
+    if dst_rows is not None:
+        _check_dst_rows(dst_rows, src_rows, x.shape[0] * top_k)
     op = torch.ops.fp8flow.permute_pad_rows_recompute if recompute else torch.ops.fp8flow.permute_pad_rows
-    data, scale = op(x, x_scale, src_rows, top_k)
+    data, scale = op(x, x_scale, src_rows, top_k, dst_rows)
     return data, (scale if x_scale is not None else None)
 
 
@@ -554,7 +679,7 @@ class PermutePadResult(NamedTuple):
 
 def _permute_pad(x, x_scale, expert_indices, probs, num_experts, route, permute_rows) -> PermutePadResult:
     permuted_probs, src_rows, dst_rows, offsets = route(expert_indices, num_experts, probs)
-    data, scale = permute_rows(x, x_scale, src_rows, expert_indices.shape[1])
+    data, scale = permute_rows(x, x_scale, src_rows, expert_indices.shape[1], dst_rows)
     return PermutePadResult(
         data,
         scale if x_scale is not None else None,
@@ -573,7 +698,11 @@ def permute_pad_reference(
     num_experts: int,
 ) -> PermutePadResult:
     """Torch reference of :func:`permute_pad` (no checks; the torch gather instead of the kernel)."""
-    return _permute_pad(x, x_scale, expert_indices, probs, num_experts, route_pad_reference, permute_pad_rows_reference)
+
+    def gather(x, x_scale, src_rows, top_k, dst_rows):
+        return permute_pad_rows_reference(x, x_scale, src_rows, top_k)
+
+    return _permute_pad(x, x_scale, expert_indices, probs, num_experts, route_pad_reference, gather)
 
 
 def permute_pad(
