@@ -154,7 +154,7 @@ def _assert_rows_equal(actual: torch.Tensor, expected: torch.Tensor, name: str) 
     ("dtype", "cols"), [(FP8_DTYPE, 384), (FP8_DTYPE, 200), (torch.bfloat16, 200), (torch.float32, 64)]
 )
 @pytest.mark.parametrize("scatter", [False, True], ids=["gather", "scatter"])
-def test_gather_kernel_matches_reference(routing, dtype, cols, scatter):
+def test_row_kernel_matches_reference(routing, dtype, cols, scatter):
     """Both forms of the kernel: gathering by src_rows, and (given dst_rows, top_k > 1) scattering each token
     to its rows with the pad rows zeroed by their own programs."""
     kind, tokens, top_k, experts = routing
