@@ -116,6 +116,7 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
     form = "scatter" if scatter_pays(dim, top_k) else "gather"
     full = {"what": f"route_pad + {form} + probs", "route_pad_us": round(route_us, 2)}
     full["device_us"] = device_us(permute_pad, full_args)
+    full["route_pad_device_us"] = device_us(route_pad, [(ids, experts) for _, _, ids, _ in sets])
     part = {"what": "gather only", "gbps_rows_fetched": round((gather_bytes + fetched) / gather / 1e3, 1)}
     part["device_us"] = device_us(_gather, gather_sets)
     scattered = {"what": "scatter only (pinned)", "gbps_rows_fetched": None}
@@ -159,8 +160,9 @@ def main() -> None:
     ]
     notes = (
         "permute_pad rows time the whole public call: route_pad (three kernels: per-block expert counts, their "
-        "scan into offsets and bases, the row scatter) + the fused FP8 data+scale row kernel (scatter or gather, "
-        "see 'what') + permuted probs; route_pad_us is route_pad alone. 'gather only' rows time permute_pad_rows "
+        "scan per expert into bases and totals, the row scatter writing the offsets) + the fused FP8 data+scale "
+        "row kernel (scatter or gather, see 'what') + permuted probs; route_pad_us is route_pad alone (host and "
+        "device), route_pad_device_us its device time. 'gather only' rows time permute_pad_rows "
         "given src_rows (each padded row reads its token), 'scatter only (pinned)' rows the kernel's scattering "
         "form (each token read once, written to its k rows), which permute_pad runs where scatter_pays (rows >= 4 "
         "KiB). Bytes at the algorithmic minimum (x read once, all M_pad output rows written); gbps_rows_fetched "

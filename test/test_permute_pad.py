@@ -7,6 +7,7 @@ import torch
 from conftest import DEVICE
 from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows, make_routing, run_compiling
 
+import fp8flow_ao.kernels.permute_pad as permute_pad_module
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, dequantize_rows_reference, quantize_rows_reference
 from fp8flow_ao.kernels.permute_pad import (
     SCATTER_MIN_ROW_BYTES,
@@ -78,15 +79,17 @@ def test_route_kernel_matches_reference(routing, probs_dtype):
         assert a.dtype == b.dtype and torch.equal(a.cpu(), b), name
 
 
-# Many routed-row blocks per kernel program grid (up to 1024 rows a block, fewer at more experts) and
-# more blocks than the offsets kernel scans at once (E = 256: 32 rows a block, 32 blocks a scan step).
+# Many routed-row blocks per kernel program grid (up to 128 rows a block, fewer at more experts; E = 256:
+# 64 rows a block, 64 scan programs of 4 experts each).
 MULTI_BLOCK_ROUTINGS = [("skewed", 1500, 2, 9), ("distinct", 500, 8, 256), ("one_expert", 700, 3, 2)]
 
 
+@pytest.mark.parametrize("scan_rows", [1024, 4], ids=["one-scan-step", "scan-steps-of-4-blocks"])
 @pytest.mark.parametrize("routing", MULTI_BLOCK_ROUTINGS, ids=lambda r: f"{r[0]}-T{r[1]}-k{r[2]}-E{r[3]}")
-def test_route_kernels_match_reference_across_blocks(routing):
+def test_route_kernels_match_reference_across_blocks(routing, scan_rows, monkeypatch):
     """Rows of one expert spread over many blocks keep (token, slot) order: each block's base is the group
-    start plus the expert's rows in the blocks before it."""
+    start plus the expert's rows in the blocks before it, carried across the scan's steps."""
+    monkeypatch.setattr(permute_pad_module, "_ROUTE_SCAN_ROWS", scan_rows)
     kind, tokens, top_k, experts = routing
     ids = make_routing(kind, tokens, top_k, experts, DEVICE)
     probs = torch.rand(tokens, top_k, device=DEVICE)
@@ -201,35 +204,49 @@ def test_gather_row_stride_is_free():
     assert_scales_equal(scale, ref_scale)
 
 
-_BUILD_ROW_KERNEL = """
+_BUILD_KERNELS = """
 import json
 from fp8flow_ao.kernels._sm90_common import compile_for_sm90
-from fp8flow_ao.kernels.permute_pad import _PAD_ROWS, _permute_pad_rows_kernel
+from fp8flow_ao.kernels import permute_pad as pp
 built = []
+def build(name, kernel, pointers, ints, constexprs):
+    signature = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(constexprs, "constexpr")}
+    built.append([name, len(compile_for_sm90(kernel, signature, constexprs).asm["cubin"])])
 for scatter in (False, True):
     for bits, has_scale in (("*u8", True), ("*i16", False), ("*i32", False)):
-        ptrs = dict.fromkeys(("x_ptr", "data_ptr"), bits)
+        pointers = {**dict.fromkeys(("x_ptr", "data_ptr"), bits),
+                    **dict.fromkeys(("x_scale_ptr", "src_rows_ptr", "dst_rows_ptr", "scale_ptr"), "*i32")}
         ints = ("num_rows", "num_tokens", "cols", "num_scale_cols", "top_k", "stride_xm", "stride_sm")
-        signature = {**ptrs, **dict.fromkeys(("x_scale_ptr", "src_rows_ptr", "dst_rows_ptr", "scale_ptr"), "*i32")}
-        signature.update(dict.fromkeys(ints, "i32"))
         constexprs = dict(BLOCK_M=8, BLOCK_D=1024, SCALE_COLS=8, HAS_SCALE=has_scale, SCATTER=scatter,
-                          PAD_ROWS=_PAD_ROWS)
-        signature.update(dict.fromkeys(constexprs, "constexpr"))
-        kernel = compile_for_sm90(_permute_pad_rows_kernel, signature, constexprs)
-        built.append([scatter, bits, len(kernel.asm["cubin"])])
+                          PAD_ROWS=pp._PAD_ROWS)
+        build(f"rows scatter={scatter} {bits}", pp._permute_pad_rows_kernel, pointers, ints, constexprs)
+for has_probs in (False, True):
+    flags = dict(BLOCK_E=128, HAS_PROBS=has_probs)
+    pointers = {"ids_ptr": "*i64", "counts_ptr": "*i32", "src_rows_ptr": "*i32", "probs_out_ptr": "*fp32"}
+    ints = ("num_routed", "num_rows", "num_experts", "fill_per_program")
+    build(f"route count probs={has_probs}", pp._route_count_kernel, pointers, ints,
+          dict(BLOCK_R=pp._ROUTE_MAX_ROWS, FILL_BLOCK=pp._ROUTE_FILL_BLOCK, **flags))
+    pointers = {"ids_ptr": "*i64", "probs_ptr": "*bf16",
+                **dict.fromkeys(("bases_ptr", "totals_ptr", "offsets_ptr", "src_rows_ptr", "dst_rows_ptr"), "*i32"),
+                "probs_out_ptr": "*fp32"}
+    build(f"route scatter probs={has_probs}", pp._route_scatter_kernel, pointers, ("num_routed", "num_experts"),
+          dict(BLOCK_R=pp._ROUTE_MAX_ROWS, **flags))
+build("route scan", pp._route_scan_kernel, {"counts_ptr": "*i32", "totals_ptr": "*i32"}, ("num_blocks",),
+      dict(SCAN_R=pp._ROUTE_SCAN_ROWS, SCAN_E=pp._ROUTE_SCAN_LANES, BLOCK_E=128))
 print(json.dumps(built))
 """
 
 
-def test_row_kernel_builds_for_sm90_in_both_forms():
-    """The CPU interpreter runs the row kernel without compiling it; compiled, a runtime branch must leave
-    no value whose type differs between its sides (the first scatter kernel did): build both forms for
-    sm_90a with Triton's own ptxas, FP8 rows with scales and 2- and 4-byte rows without."""
-    built = run_compiling(_BUILD_ROW_KERNEL)
-    assert [(scatter, bits) for scatter, bits, _ in built] == [
-        (s, b) for s in (False, True) for b in ("*u8", "*i16", "*i32")
-    ]
-    assert all(size > 0 for *_, size in built)
+def test_kernels_build_for_sm90():
+    """The CPU interpreter runs kernels without compiling them; compiled, a runtime branch must leave no
+    value whose type differs between its sides (the first scatter kernel did): build the row kernel's
+    forms (FP8 rows with scales, 2- and 4-byte rows without) and the route kernels for sm_90a with
+    Triton's own ptxas."""
+    built = run_compiling(_BUILD_KERNELS)
+    rows = [f"rows scatter={s} {b}" for s in (False, True) for b in ("*u8", "*i16", "*i32")]
+    routes = [f"route {k} probs={p}" for p in (False, True) for k in ("count", "scatter")]
+    assert [name for name, _ in built] == [*rows, *routes, "route scan"]
+    assert all(size > 0 for _, size in built)
 
 
 @pytest.mark.parametrize("routing", [ROUTINGS[0], ROUTINGS[2], ROUTINGS[5]], ids=lambda r: r[0])

@@ -3,14 +3,15 @@
 Two steps, both on the device with sizes that depend only on shapes (no device-to-host sync, so they
 run under ``torch.compile(fullgraph=True)`` and CUDA graphs):
 
-1. :func:`route_pad` (three Triton kernels, no sort: per-block expert counts, one program scanning
-   them into group offsets and per-block bases, a scatter of each block's rows) turns the router's
-   top-k expert ids ``[T, k]`` into the row maps and the group end offsets, and permutes the router
-   probs. It replaced a stable ``torch.sort`` + one kernel: measured on an H200 (torch 2.11), that sort
-   blocked the host until the device caught up when the GPU queue was busy (5.1 ms a call behind a
-   sleeping kernel), and route_pad took 336 us of host time per call inside the compiled Qwen-like
-   step (152 us now); device time 71 us for the three kernels, 55 us for the sort alone.
-   Every expert's group starts at a multiple of 128 (rounded up, empty experts get a zero-length
+1. :func:`route_pad` (three Triton kernels, no sort: per-block expert counts, their scan per expert into
+   per-block bases and expert totals, a scatter of each block's rows that also writes the offsets) turns
+   the router's top-k expert ids ``[T, k]`` into the row maps and the group end offsets, and permutes
+   the router probs. It replaced a stable ``torch.sort`` + one kernel: measured on an H200 (torch 2.11),
+   that sort blocked the host until the device caught up when the GPU queue was busy (5.1 ms a call
+   behind a sleeping kernel), and route_pad took 336 us of host time per call inside the compiled
+   Qwen-like step (152 us now); device time 71 us for the three kernels, 55 us for the sort alone, and
+   17 us since the count table's scan runs a program per 4 experts (it was one program: 45 us of the
+   71). Every expert's group starts at a multiple of 128 (rounded up, empty experts get a zero-length
    group) and lies inside ``M_pad = 128 * floor((T*k + E*127) / 128)``, a static upper bound on the
    padded total. Within an expert, rows keep (token, slot) order.
 2. :func:`permute_pad_rows` (one Triton kernel) gathers ``x[src_rows[r] // k]`` into row ``r``,
@@ -75,10 +76,17 @@ _PAD_ROWS = 64
 # Widest column tile: 2 KiB of a row (FP8 D = 7168 gets 1024 columns: 7 tiles, no masked tail).
 _MAX_COL_BYTES = 2048
 # Route kernels: routed rows x expert lanes per program (a row's expert is a one-hot [rows, E] compare;
-# its rank within the block a cumsum down that), at most 1024 rows; pad-row defaults in 1024-row stores.
-_ROUTE_TILE = 8192
-_ROUTE_MAX_ROWS = 1024
+# its rank within the block a cumsum down that), at most 128 rows; pad-row defaults in 1024-row stores.
+# H200 sweep of 16-256 rows (route_pad device time, E = 8-256, T*k = 2K-256K): 128 rows was best or
+# within 10% of it wherever E >= 32; 256 rows lost up to 2x at E >= 128, 16-32 rows up to 3x at E = 32.
+_ROUTE_TILE = 16384
+_ROUTE_MAX_ROWS = 128
 _ROUTE_FILL_BLOCK = 1024
+# Expert lanes per program of the count table's scan (4 int32 of each block's row), so E = 128 scans in
+# 32 programs: one program scanning all lanes had taken 23-45 us of route_pad's 39-70 (E = 128, H200).
+_ROUTE_SCAN_LANES = 4
+# Most blocks per step of that scan (more loop with a carried count; fewer blocks, a smaller tile).
+_ROUTE_SCAN_ROWS = 1024
 
 
 def padded_rows_bound(num_rows: int, num_experts: int) -> int:
@@ -129,36 +137,29 @@ def _route_count_kernel(
 
 
 @triton.jit
-def _route_offsets_kernel(
-    counts_ptr, offsets_ptr, num_blocks, num_experts, SCAN_R: tl.constexpr, BLOCK_E: tl.constexpr
+def _route_scan_kernel(
+    counts_ptr, totals_ptr, num_blocks, SCAN_R: tl.constexpr, SCAN_E: tl.constexpr, BLOCK_E: tl.constexpr
 ):
-    """One program: per expert, the 128-aligned group (ends to ``offsets``) and, in place of each block's
-    count, the padded row where that block's first row of the expert goes (the group start plus the
-    rows of the expert in the blocks before it)."""
-    e = tl.arange(0, BLOCK_E)
-    totals = tl.zeros([BLOCK_E], tl.int32)
-    for start in range(0, num_blocks, SCAN_R):
-        blocks = start + tl.arange(0, SCAN_R)
-        ptrs = counts_ptr + blocks[:, None] * BLOCK_E + e[None, :]
-        totals += tl.sum(tl.load(ptrs, mask=(blocks < num_blocks)[:, None], other=0), axis=0)
-    padded = (totals + 127) // 128 * 128
-    group_ends = tl.cumsum(padded, 0)
-    tl.store(offsets_ptr + e, group_ends, mask=e < num_experts)
-    carry = group_ends - padded
+    """One program per ``SCAN_E`` expert lanes: in place of each block's count of an expert, the expert's
+    rows in the blocks before it (an exclusive scan down the column), and the expert's total rows."""
+    e = tl.program_id(0) * SCAN_E + tl.arange(0, SCAN_E)
+    carry = tl.zeros([SCAN_E], tl.int32)
     for start in range(0, num_blocks, SCAN_R):
         blocks = start + tl.arange(0, SCAN_R)
         ptrs = counts_ptr + blocks[:, None] * BLOCK_E + e[None, :]
         ok = (blocks < num_blocks)[:, None]
         counts = tl.load(ptrs, mask=ok, other=0)
-        inclusive = tl.cumsum(counts, 0)
-        tl.store(ptrs, carry[None, :] + inclusive - counts, mask=ok)
+        tl.store(ptrs, carry[None, :] + tl.cumsum(counts, 0) - counts, mask=ok)
         carry += tl.sum(counts, axis=0)
+    tl.store(totals_ptr + e, carry)
 
 
 @triton.jit
 def _route_scatter_kernel(
     ids_ptr,
     bases_ptr,
+    totals_ptr,
+    offsets_ptr,
     probs_ptr,
     src_rows_ptr,
     dst_rows_ptr,
@@ -169,8 +170,10 @@ def _route_scatter_kernel(
     BLOCK_E: tl.constexpr,
     HAS_PROBS: tl.constexpr,
 ):
-    """One program: ``BLOCK_R`` routed rows to their padded rows, ``base[pid, expert]`` + the row's rank
-    among the block's earlier rows of its expert -- the order a stable sort by expert gives."""
+    """One program: ``BLOCK_R`` routed rows to their padded rows: the expert's group start, plus its rows in
+    the blocks before (``bases[pid, expert]``), plus the row's rank among the block's earlier rows of its
+    expert -- the order a stable sort by expert gives. Every program derives the 128-aligned group starts
+    from the experts' totals (E values); the first also stores their ends to ``offsets``."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_routed
@@ -178,8 +181,12 @@ def _route_scatter_kernel(
     e = tl.arange(0, BLOCK_E)
     hits = expert[:, None] == e[None, :]
     rank = tl.sum(tl.where(hits, tl.cumsum(hits.to(tl.int32), 0), 0), axis=1) - 1
-    base = tl.load(bases_ptr + pid * BLOCK_E + e)
-    dst = tl.sum(tl.where(hits, base[None, :], 0), axis=1) + rank
+    padded = (tl.load(totals_ptr + e) + 127) // 128 * 128
+    group_ends = tl.cumsum(padded, 0)
+    tl.store(offsets_ptr + e, group_ends, mask=e < tl.where(pid == 0, num_experts, 0))
+    base = group_ends - padded + tl.load(bases_ptr + pid * BLOCK_E + e)
+    # A register gather: 2-30% less route_pad time than a select through the one-hot (H200, most at E >= 60).
+    dst = tl.gather(base, tl.maximum(expert, 0), 0) + rank
     tl.store(dst_rows_ptr + rows, dst, mask=row_ok)
     tl.store(src_rows_ptr + dst, rows, mask=row_ok)
     if HAS_PROBS:
@@ -196,8 +203,9 @@ def launch_route_pad(
     expert_indices: torch.Tensor, num_experts: int, probs: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Three Triton kernels, no sort (GPU, or CPU under ``TRITON_INTERPRET=1``); contract of
-    :func:`route_pad_reference`: per-block expert counts, one program turning them into group offsets and
-    per-block bases, then each block scatters its rows (module docstring)."""
+    :func:`route_pad_reference`: per-block expert counts, their scan down each expert's column (a program
+    per 4 experts) into per-block bases and expert totals, then each block scatters its rows to group
+    start + base + rank, the group starts derived from the totals (module docstring)."""
     n, device = expert_indices.numel(), expert_indices.device
     num_rows = padded_rows_bound(n, num_experts)
     block_e = next_pow2(num_experts)
@@ -207,6 +215,7 @@ def launch_route_pad(
     counts = torch.empty((num_blocks, block_e), dtype=torch.int32, device=device)
     src_rows = torch.empty(num_rows, dtype=torch.int32, device=device)
     dst_rows = torch.empty(n, dtype=torch.int32, device=device)
+    totals = torch.empty(block_e, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
     probs_out = _empty_probs(expert_indices, probs, num_rows)
     flags = {"BLOCK_E": block_e, "HAS_PROBS": probs is not None}
@@ -226,13 +235,24 @@ def launch_route_pad(
         **flags,
         num_warps=4,
     )
-    scan_r = max(1, _ROUTE_TILE // block_e)
-    launch_kernel(_route_offsets_kernel, (1,), counts, offsets, num_blocks, num_experts, SCAN_R=scan_r, BLOCK_E=block_e)
+    scan_e = min(block_e, _ROUTE_SCAN_LANES)
+    launch_kernel(
+        _route_scan_kernel,
+        (block_e // scan_e,),
+        counts,
+        totals,
+        num_blocks,
+        SCAN_R=min(_ROUTE_SCAN_ROWS, next_pow2(num_blocks)),
+        SCAN_E=scan_e,
+        BLOCK_E=block_e,
+    )
     launch_kernel(
         _route_scatter_kernel,
         (num_blocks,),
         ids,
         counts,
+        totals,
+        offsets,
         probs.reshape(-1) if probs is not None else ids,  # unread when HAS_PROBS is False
         src_rows,
         dst_rows,
