@@ -101,7 +101,8 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
     if not torch.equal(got.data.view(torch.uint8), want[0].view(torch.uint8)) or not torch.equal(got.probs, want[2]):
         raise RuntimeError(f"permute_pad and the unfused baseline disagree on {shape.name} T*k={total_rows}")
     ours = bench_us(permute_pad, full_args)
-    route_us = bench_us(route_pad, [(ids, experts) for _, _, ids, _ in sets])
+    route_args = [(ids, experts) for _, _, ids, _ in sets]
+    route_us = bench_us(route_pad, route_args)
     gather = bench_us(_gather, gather_sets)
     scatter = bench_us(_scatter, gather_sets)
     ref_full = bench_us(compiled["full"], full_args)
@@ -116,7 +117,7 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
     form = "scatter" if scatter_pays(dim, top_k) else "gather"
     full = {"what": f"route_pad + {form} + probs", "route_pad_us": round(route_us, 2)}
     full["device_us"] = device_us(permute_pad, full_args)
-    full["route_pad_device_us"] = device_us(route_pad, [(ids, experts) for _, _, ids, _ in sets])
+    full["route_pad_device_us"] = device_us(route_pad, route_args)
     part = {"what": "gather only", "gbps_rows_fetched": round((gather_bytes + fetched) / gather / 1e3, 1)}
     part["device_us"] = device_us(_gather, gather_sets)
     scattered = {"what": "scatter only (pinned)", "gbps_rows_fetched": None}
