@@ -583,19 +583,21 @@ def _backward(ctx, grad_data: torch.Tensor, grad_scale: torch.Tensor):
     return grad_x, None, None, None, None
 
 
+def _rows_reference(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    src_rows: torch.Tensor,
+    top_k: int,
+    dst_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`permute_pad_rows_reference` with the ops' signature: ``dst_rows`` (the inverse map) names the
+    same rows, so the reference gathers by ``src_rows`` alone."""
+    return permute_pad_rows_reference(x, x_scale, src_rows, top_k)
+
+
 def _register_permute_pad_rows(name: str):
     """The gather as the custom op ``fp8flow::<name>``: reference on the CPU, Triton on CUDA, fake, autograd."""
-
-    def gather(
-        x: torch.Tensor,
-        x_scale: torch.Tensor | None,
-        src_rows: torch.Tensor,
-        top_k: int,
-        dst_rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return permute_pad_rows_reference(x, x_scale, src_rows, top_k)  # dst_rows: the same rows
-
-    op = define_op(name)(gather)
+    op = define_op(name)(_rows_reference)
     op.register_kernel("cuda")(launch_permute_pad_rows)
     op.register_fake(_permute_pad_rows_fake)
     op.register_autograd(_backward, setup_context=_setup_context)
@@ -718,11 +720,7 @@ def permute_pad_reference(
     num_experts: int,
 ) -> PermutePadResult:
     """Torch reference of :func:`permute_pad` (no checks; the torch gather instead of the kernel)."""
-
-    def gather(x, x_scale, src_rows, top_k, dst_rows):
-        return permute_pad_rows_reference(x, x_scale, src_rows, top_k)
-
-    return _permute_pad(x, x_scale, expert_indices, probs, num_experts, route_pad_reference, gather)
+    return _permute_pad(x, x_scale, expert_indices, probs, num_experts, route_pad_reference, _rows_reference)
 
 
 def permute_pad(
