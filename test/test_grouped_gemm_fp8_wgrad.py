@@ -114,6 +114,30 @@ def test_accumulate_into_adds_a_fresh_wgrad_in_fp32(out_dtype, launch):
     assert rel_error(into, ref) < TOLERANCE[out_dtype]
 
 
+@pytest.mark.hopper
+@pytest.mark.parametrize("config", mod.SM90_WGRAD_CONFIGS, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_sm90_accumulate_is_exact_on_a_large_grid(config, out_dtype):
+    """Accumulating over thousands of tiles, many per program, three times: each run equals the
+    existing gradient plus a fresh fp32 wgrad bit for bit. (When the epilogue read the stored tile by
+    per-thread loads, some runs at such sizes returned wrong sums: on an H200 up to a few in 10^4
+    elements of fp32 gradients, every config. It now reads it by TMA.)"""
+    if mod.sm90_smem_bytes(config, out_dtype) > SM90_SMEM_BYTES:
+        pytest.skip(f"{config} does not fit with {out_dtype} out")
+    counts = [128] * 96 + [256] * 16
+    args = make_operands(counts, 1024, 1024)
+    # Every config sums each element's token blocks in the same order: any one that fits fp32 out will do.
+    fp32_fits = mod.sm90_smem_bytes(config, torch.float32) <= SM90_SMEM_BYTES
+    fresh = launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.float32, config if fp32_fits else Sm90Config(128, 4, 16))
+    existing = torch.randn(len(counts), 1024, 1024, device=DEVICE).to(out_dtype)
+    expected = (existing.float() + fresh).to(out_dtype)
+    for _ in range(3):
+        into = existing.clone()
+        launch_grouped_gemm_fp8_wgrad_sm90(*args, out_dtype, config, accumulate_into=into)
+        mismatches = int((into != expected).sum())
+        assert mismatches == 0, f"{mismatches} of {into.numel()} elements differ"
+
+
 @pytest.mark.parametrize(("n", "n_chunks"), [(256, 2), (384, 3)])
 def test_n_chunks_stores_each_chunk_of_every_expert_contiguously(launch, n, n_chunks):
     """``n_chunks``: the same tiles, the same bits, only the rows' places change:
@@ -217,6 +241,8 @@ def test_sm90_default_config_fits_and_prefers_wide_tiles():
         assert k % config.block_n == 0 and config in mod.SM90_WGRAD_CONFIGS
         assert config.block_n == (256 if k % 256 == 0 else 128)
         assert all(mod.sm90_smem_bytes(config, d) <= SM90_SMEM_BYTES for d in OUT_DTYPES)
+        # Accumulating: one 128-wide half per consumer, whose stored values load under the reduction.
+        assert mod.sm90_wgrad_default_config(k, accumulate=True) == Sm90Config(128, 4, 16)
 
 
 @pytest.mark.skipif(conftest.IS_HOPPER, reason="checks the refusal off Hopper")

@@ -13,7 +13,7 @@ An empty expert runs no block and stores zeros.
 
 The output is written in its final dtype by the epilogue (fp32 or bf16: the weight's dtype, so no
 cast kernel follows), or -- with ``accumulate_into`` -- added to an existing gradient there: the
-epilogue loads the stored tile, adds the fp32 accumulator and stores the sum in the tensor's dtype
+epilogue adds the fp32 accumulator to the stored tile and stores the sum in the tensor's dtype
 (gradient accumulation without a separate wgrad output and add kernel, as TE/Megatron's fused
 wgrad accumulation does). That form is its own op, ``fp8flow::grouped_gemm_fp8_wgrad_accumulate``,
 declared as mutating ``accumulate_into``.
@@ -27,7 +27,9 @@ layout (~2 ms per DeepSeek-like step, measured in the layer's profile).
 * ``sm90`` (Gluon, Hopper only, the CUDA default there): warp-specialized like the forward's sm90
   kernel (``_sm90_common``), 128x256 (or 128x128) tiles: a producer warp loads the operand tiles
   AND each block's two scale rows by TMA into the ring, so the consumers read scales from shared
-  memory right before each promotion -- no global-load latency, no prefetch registers.
+  memory right before each promotion -- no global-load latency, no prefetch registers. Accumulating,
+  each consumer TMA-loads the stored tile into its output staging buffer before the tile's reduction
+  and adds it in the epilogue.
 * ``triton`` (``tl.dot``): any TMA-capable GPU and the CPU interpreter; autotuned.
 """
 
@@ -273,10 +275,14 @@ def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype) -> int:
     return config.smem_bytes(out_dtype, (BLOCK + config.block_n) * 4)
 
 
-def sm90_wgrad_default_config(k: int) -> Sm90Config:
+def sm90_wgrad_default_config(k: int, accumulate: bool = False) -> Sm90Config:
     """The config the op runs with for ``K`` output columns: 128x256 tiles with ordered consumers
-    where K allows (as the forward), 128x128 otherwise."""
-    return SM90_WGRAD_CONFIGS[0] if k % 256 == 0 else SM90_WGRAD_CONFIGS[1]
+    where K allows (as the forward), 128x128 otherwise, and 128x128 when adding into a stored gradient
+    (``accumulate``): a consumer's one half then has its stored values loaded under the reduction,
+    where a 128x256 tile's second half waits for its load after the first half's store (H200, the
+    nine shapes of ``grouped_gemm_notes.md``'s session 22: bf16 gradients 0.2-4.9% faster than
+    128x256, fp32 -3.5% to +2.4%)."""
+    return SM90_WGRAD_CONFIGS[0] if k % 256 == 0 and not accumulate else SM90_WGRAD_CONFIGS[1]
 
 
 @gluon.jit
@@ -325,15 +331,20 @@ def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem):
 
 
 @gluon.jit
-def _plus_stored(tile, out_ptr, row, col, K, layout: gl.constexpr, ACCUMULATE: gl.constexpr):
-    """``tile`` (64x128 fp32), plus the output's stored values there when ``ACCUMULATE``: plain loads
-    in the accumulator's own layout, so the sum needs no shared-memory round trip. Loaded one half
-    at a time, right before its store (a 128x256 tile's accumulators already hold 128 registers)."""
-    if ACCUMULATE:
-        rows = row + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, layout))
-        cols = col + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(0, layout))
-        tile = tile + gl.load(out_ptr + rows.to(gl.int64)[:, None] * K + cols[None, :]).to(gl.float32)
-    return tile
+def _load_stored(out_desc, out_s, bar, row, col):
+    """Start the TMA load of the output's stored 64x128 values at ``(row, col)`` into the staging buffer
+    ``out_s`` (once its previous store has read it), landing on ``bar``. By TMA, not per-thread loads:
+    the stored tiles arrive through L2 like the operands, and the consumer's registers stay free."""
+    tma.store_wait(0)
+    mbarrier.expect(bar, out_desc.block_type.nbytes)
+    tma_load(out_desc, [row, col], bar, out_s)
+
+
+@gluon.jit
+def _plus_stored(acc, out_s, bar, phase, layout: gl.constexpr):
+    """``acc`` plus the stored values :func:`_load_stored` brought into ``out_s`` (waited for here)."""
+    mbarrier.wait(bar, phase)
+    return acc + out_s.load(layout).to(gl.float32)
 
 
 @gluon.jit
@@ -344,7 +355,7 @@ def _wgrad_consumer(
     outer product of the block's row scales (N) and column scales (K), read from the ring just
     before each use (a 128x256 tile's column scales are never all held in registers)."""
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn = ring
-    out_desc, out_bufs, out_ptr, N_CHUNK = out
+    out_desc, out_bufs, N_CHUNK, stored_bars = out
     ends_ptr, M, N, K, E = problem
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -355,10 +366,19 @@ def _wgrad_consumer(
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
     out_s = out_bufs.index(WG)
+    stored_bar = stored_bars.index(WG)
     it = 0
+    loads = 0  # ACCUMULATE: stored tiles loaded so far (the phase of stored_bar)
     for tile in range(gl.program_id(0), E * (N // SM90_BLOCK) * (K // BLOCK_N), gl.num_programs(0)):
         e, pid_n, pid_k = _wgrad_tile(tile, N, K, BLOCK_N, GROUP_M)
         first, last = _wgrad_blocks(ends_ptr, e, M)
+        n0 = pid_n * SM90_BLOCK  # tiles never straddle a chunk: N_CHUNK is a multiple of 128
+        row = ((n0 // N_CHUNK) * E + e) * N_CHUNK + n0 % N_CHUNK + WG * WG_ROWS
+        col = pid_k * BLOCK_N
+        if ACCUMULATE:
+            # The gradient to add into, loaded before the reduction: the load runs under its MMAs
+            # instead of in front of the epilogue's store (short reductions are mostly epilogue).
+            _load_stored(out_desc, out_s, stored_bar, row, col)
         acc0 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
         acc1 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
         for _ in range(first, last):
@@ -377,13 +397,17 @@ def _wgrad_consumer(
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = part * sa[:, None] * sb[None, :] + acc1
             it += 1
-        n0 = pid_n * SM90_BLOCK  # tiles never straddle a chunk: N_CHUNK is a multiple of 128
-        row = ((n0 // N_CHUNK) * E + e) * N_CHUNK + n0 % N_CHUNK + WG * WG_ROWS
-        col = pid_k * BLOCK_N
-        sm90_store(out_desc, out_s, _plus_stored(acc0, out_ptr, row, col, K, mma, ACCUMULATE), row, col)
+        if ACCUMULATE:
+            acc0 = _plus_stored(acc0, out_s, stored_bar, loads & 1, mma)
+            loads += 1
+        sm90_store(out_desc, out_s, acc0, row, col)
         if HALVES == 2:
-            col = col + SM90_BLOCK
-            sm90_store(out_desc, out_s, _plus_stored(acc1, out_ptr, row, col, K, mma, ACCUMULATE), row, col)
+            if ACCUMULATE:
+                # One staging buffer: the second half's stored values only once the first half left it.
+                _load_stored(out_desc, out_s, stored_bar, row, col + SM90_BLOCK)
+                acc1 = _plus_stored(acc1, out_s, stored_bar, loads & 1, mma)
+                loads += 1
+            sm90_store(out_desc, out_s, acc1, row, col + SM90_BLOCK)
     tma.store_wait(0)
 
 
@@ -394,7 +418,6 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     sa_desc,
     sb_desc,
     out_desc,
-    out_ptr,
     ends_ptr,
     M,
     N,
@@ -410,8 +433,9 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
 
     a_desc: dY^T ``[N, M]`` E4M3, 128x128 boxes; b_desc: X^T ``[K, M]`` E4M3, BLOCK_Nx128 boxes;
     sa_desc / sb_desc: their scales ``[M/128, N]`` / ``[M/128, K]`` fp32 flattened, 128 / BLOCK_N boxes; out_desc:
-    ``[E * N, K]`` (the ``[N / N_CHUNK, E, N_CHUNK, K]`` output flattened), 64x128 boxes; out_ptr: the
-    same output (read by the epilogue when ``ACCUMULATE``: store out + the tile's sum); ends ``[E]`` int32.
+    ``[E * N, K]`` (the ``[N / N_CHUNK, E, N_CHUNK, K]`` output flattened), 64x128 boxes, also read
+    when ``ACCUMULATE`` (each tile's stored values, loaded by TMA into the consumer's staging buffer on
+    its ``stored_bars`` barrier before the reduction; out + the tile's sum stored); ends ``[E]`` int32.
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -421,7 +445,11 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     ready, empty, turn = sm90_ring_barriers(STAGES, 2)
     ring = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn)
     problem = (ends_ptr, M, N, K, E)
-    out = (out_desc, out_bufs, out_ptr, N_CHUNK)
+    # One barrier per consumer for its stored tiles' TMA loads (ACCUMULATE; set up at any rate: 2 words).
+    stored_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(stored_bars.index(i), count=1)
+    out = (out_desc, out_bufs, N_CHUNK, stored_bars)
     gl.warp_specialize(
         [
             (_wgrad_consumer, (0, GROUP_M, ORDERED, ACCUMULATE, ring, out, problem)),
@@ -449,7 +477,7 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_wgrad_default_config`.
     """
     k = b_t.shape[0]
-    config = config or sm90_wgrad_default_config(k)
+    config = config or sm90_wgrad_default_config(k, accumulate_into is not None)
     check_sm90_launch(a_t.device, config, k, out_dtype, sm90_smem_bytes(config, out_dtype))
     out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype, accumulate_into, n_chunks)
     if m == 0:
@@ -466,7 +494,6 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
         descriptor(a_t_scale.view(-1), (BLOCK,)),
         descriptor(b_t_scale.view(-1), (config.block_n,)),
         descriptor(out.view(e * n, k), (64, BLOCK)),
-        out,
         group_end_offsets,
         m,
         n,
@@ -493,7 +520,6 @@ def build_sm90_wgrad_kernel(config: Sm90Config, out_dtype: torch.dtype, accumula
         "sa_desc": descriptor_signature((BLOCK,), torch.float32),
         "sb_desc": descriptor_signature((config.block_n,), torch.float32),
         "out_desc": descriptor_signature((64, BLOCK), out_dtype),
-        "out_ptr": {torch.float32: "*fp32", torch.bfloat16: "*bf16"}[out_dtype],
         "ends_ptr": "*i32",
         **dict.fromkeys(("M", "N", "K", "E", "N_CHUNK"), "i32"),
         **dict.fromkeys(("GROUP_M", "STAGES", "ORDERED", "ACCUMULATE"), "constexpr"),
