@@ -33,6 +33,8 @@ Variants, each ``torch.compile``-d (default mode, graph breaks allowed so every 
   with ``mode="reduce-overhead"`` (CUDA graphs: the layer's ``fp8flow_compile_mode``), against
   ``bf16_cudagraph``: the BF16 block under ``torch.compile(mode="reduce-overhead")``. No stage table for
   these: kernels replayed from a graph have no op to name them by;
+* ``fp8flow_wt_step_cudagraph``: the two together, ``fp8flow_wt_step``'s cached micro-batch replayed as CUDA
+  graphs that read the cached tiles in place (the cache keeps them at fixed addresses for that);
 * ``fp8flow_bf16_fc1_dgrad``: ``FP8FlowConfig(backward="bf16_fc1_dgrad")``: FC1's dgrad in BF16 (the
   loss-gap fix of ``convergence.md``), what it costs.
 
@@ -131,11 +133,14 @@ OURS = (
     "fp8flow_wt_forward",
     "fp8flow_wt_step",
     "fp8flow_cudagraph",
+    "fp8flow_wt_step_cudagraph",
     "fp8flow_bf16_fc1_dgrad",
 )
 VARIANTS = ("bf16", "bf16_cudagraph", *OURS, "torchao_rowwise", "torchao_blockwise")
-CUDA_GRAPHED = ("bf16_cudagraph", "fp8flow_cudagraph")
-WEIGHT_CACHE = {"fp8flow_wt_forward": "forward", "fp8flow_wt_step": "step"}
+CUDA_GRAPHED = ("bf16_cudagraph", "fp8flow_cudagraph", "fp8flow_wt_step_cudagraph")
+WEIGHT_CACHE = {"fp8flow_wt_forward": "forward", "fp8flow_wt_step": "step", "fp8flow_wt_step_cudagraph": "step"}
+# the experts run as torchtitan's converter runs them: their forward outside the block's graph, the path compiled
+PATH_COMPILED = ("fp8flow_wt_step", "fp8flow_cudagraph", "fp8flow_wt_step_cudagraph")
 BASELINES = {
     "bf16": "BF16 torchtitan MoE (torch.compile)",
     "bf16_cudagraph": "BF16 torchtitan MoE (torch.compile, CUDA graphs)",
@@ -263,10 +268,10 @@ def convert(block: Block, variant: str) -> Block:
                 backward="bf16_fc1_dgrad" if variant == "fp8flow_bf16_fc1_dgrad" else "fp8",
             ),
         )
-        if variant in ("fp8flow_wt_step", "fp8flow_cudagraph"):  # as the torchtitan converter runs it
+        if variant in PATH_COMPILED:
             experts = block.moe.experts
             experts.fp8flow_compile_backend = "inductor"
-            experts.fp8flow_compile_mode = "reduce-overhead" if variant == "fp8flow_cudagraph" else None
+            experts.fp8flow_compile_mode = "reduce-overhead" if variant in CUDA_GRAPHED else None
             experts.forward = torch.compiler.disable(experts.forward)
     return block
 

@@ -20,8 +20,10 @@ tile themselves as they load it from the BF16 weights (the same bits: :class:`Ex
   :data:`EXPERT_WEIGHT_CACHE`) and re-quantized on the first use after the weights change: with
   gradient accumulation micro-batches 2..n quantize nothing. Costs ``6*E*H*D`` bytes per layer (as
   many bytes as the BF16 weights) for as long as the weights live. Works eagerly and with the layer's
-  own compiled path (``compile_backend``; torchtitan's ``fp8flow.compile_experts``); where a caller's
-  ``torch.compile`` traces the layer itself it acts as ``"forward"`` (see below).
+  own compiled path (``compile_backend``; torchtitan's ``fp8flow.compile_experts``), also replayed as CUDA
+  graphs (``compile_mode="reduce-overhead"``: the cache then re-quantizes into the same tensors, so the
+  graphs read them in place, :func:`step_cached_weights`); where a caller's ``torch.compile`` traces the
+  layer itself it acts as ``"forward"`` (see below).
 
 Measured on one H200 (``bench_moe_layer.py``, torch.compile, median of 3, 2026-11-24, torch 2.11, triton
 3.6): DeepSeek-like (T=4096, D=7168, H=2048, E=32, top-8) ``"off"`` 13.15 / 13.75 ms (balanced / skewed),
@@ -42,6 +44,10 @@ Qwen-like: device time per step 4.06 -> 3.22 ms (steps back to back), but this a
 at the experts, the path's own graph and guards, the lookup) costs ~1 ms of host time, and the step is
 host-bound there (5.5 ms of host for 3.2 of device): 5.24 / 5.47 ms against ``"off"``'s 4.61 / 5.14 under
 the whole-block compile. The first micro-batch after an optimizer step pays what ``"forward"`` does.
+Replayed as CUDA graphs (``compile_mode="reduce-overhead"``, the tiles read in place; 2026-11-25, one run,
+median of 3, ``moe_layer_deepseek_qwen_wt_step_cudagraph.md``): Qwen-like 3.38 / 3.67 ms, **1.90x / 2.00x
+BF16** (every repetition 1.90-2.01x; the path under CUDA graphs without the cache: 1.53x / 1.63x);
+DeepSeek-like 11.52 / 12.27 ms, 1.63x / 1.63x (device-bound: graphs add nothing there).
 
 When is a cached entry stale? An entry is keyed on each source tensor's identity (a weak reference to
 the tensor, or to its base for a view such as a DTensor's ``to_local()``), ``data_ptr``, shape,
@@ -53,11 +59,12 @@ entry. Two kinds of writes bypass the version counter and need :meth:`FP8WeightC
 writes through ``param.data`` (a fresh version counter by design) and FSDP2's all-gather into the
 unsharded parameters (it runs under ``torch.autograd._unsafe_preserve_version_counter``, so a
 re-gather into the same storage looks unchanged). The torchtitan converter therefore invalidates
-after every optimizer step (``post_optimizer_hook``); with FSDP2 outside torchtitan call
-``EXPERT_WEIGHT_CACHE.invalidate()`` after ``optimizer.step()``. Under FSDP2 the cache is meant to sit
-on the sharded side instead: keyed on the local shard (the tensor the optimizer updates, whose
-version does bump), fed to the FP8 all-gather; :meth:`FP8WeightCache.get` takes any sources and any
-producer for that reason.
+after every optimizer step (``post_optimizer_hook``; under CUDA graphs, where FSDP2 is refused, it marks
+the entries stale and keeps their tensors, which the next lookup re-quantizes in place); with FSDP2
+outside torchtitan call ``EXPERT_WEIGHT_CACHE.invalidate()`` after ``optimizer.step()``. Under FSDP2 the
+cache is meant to sit on the sharded side instead: keyed on the local shard (the tensor the optimizer
+updates, whose version does bump), fed to the FP8 all-gather; :meth:`FP8WeightCache.get` takes any
+sources and any producer for that reason.
 
 ``torch.compile``: the lookup is Python state (a dict, weak references, version counters) that
 dynamo cannot trace into a reusable graph, and a compiled graph may reuse the memory of a buffer it
@@ -181,12 +188,15 @@ def quantize_expert_weights(
     with_w2: bool,
     with_w13_t: bool,
     with_w2_t: bool,
+    out: ExpertWeightsFP8 | None = None,
 ) -> ExpertWeightsFP8:
     """Quantize ``W13 = [w1; w3]`` (one pass, one buffer: no FP8 concatenation) and ``w2``.
 
     ``w1``, ``w3`` ``[E, H, D]``, ``w2`` ``[E, D, H]``, bf16/fp32. ``with_w13``/``with_w2`` ask for the
     forward orientations, ``with_w13_t``/``with_w2_t`` for the transposes (a weight's two orientations
-    are written by the same pass; a weight asked for in neither is not read).
+    are written by the same pass; a weight asked for in neither is not read). ``out``: tensors of an
+    earlier result with the same flags, written in place and returned (eager only:
+    :func:`~fp8flow_ao.kernels.quantize_128x128.quantize_128x128`'s ``out``).
     Weights that arrive as FP8 tiles (FSDP2's FP8 all-gather: :class:`~fp8flow_ao.tensor.Float8BlockwiseWeight`)
     are not quantized again: W13 joins their tiles and the transposes are byte transposes of them.
     """
@@ -196,14 +206,19 @@ def quantize_expert_weights(
     if any(gathered):
         if not all(gathered):
             raise TypeError("w1, w2, w3 must all be FP8 all-gathered (Float8BlockwiseWeight) or all high precision")
+        if out is not None:
+            raise ValueError(
+                "out is not supported for FP8 all-gathered weights (their tiles are joined, not quantized)"
+            )
         return _from_tiles(w1, w2, w3, with_w13, with_w2, with_w13_t, with_w2_t)
     none = (None,) * 4
+    out13, out2 = (None, None) if out is None else (tuple(out[:4]), tuple(out[4:]))
     w13 = (
-        quantize_128x128(w1.contiguous(), with_w13_t, with_w13, w_tail=w3.contiguous())
+        quantize_128x128(w1.contiguous(), with_w13_t, with_w13, w_tail=w3.contiguous(), out=out13)
         if with_w13 or with_w13_t
         else none
     )
-    w2_q = quantize_128x128(w2.contiguous(), with_w2_t, with_w2) if with_w2 or with_w2_t else none
+    w2_q = quantize_128x128(w2.contiguous(), with_w2_t, with_w2, out=out2) if with_w2 or with_w2_t else none
     return ExpertWeightsFP8(*w13, *w2_q)
 
 
@@ -233,10 +248,16 @@ def _state(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
 
 
+def _layout(state: tuple) -> tuple:
+    """A :func:`_state` less the address and version: what a value made from the tensor depends on for its shapes."""
+    return state[1:5]
+
+
 class _Entry(NamedTuple):
     owners: tuple[weakref.ref, ...]
     states: tuple[tuple, ...]
     value: object
+    stale: bool = False  # invalidate(keep_values=True): never a hit, its tensors kept for a refresh
 
 
 class FP8WeightCache:
@@ -249,7 +270,8 @@ class FP8WeightCache:
     docstring for the writes the version counter does not see (``param.data``, FSDP2's all-gather):
     call :meth:`invalidate` after those.
 
-    Stored values must never be written to: callers share them.
+    Stored values must never be written to by callers: they share them. With ``refresh``, :meth:`get` itself
+    rewrites a stale value in place (same tensors, same addresses) instead of making a new one.
     """
 
     def __init__(self) -> None:
@@ -257,22 +279,31 @@ class FP8WeightCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, sources: Sequence[torch.Tensor], produce: Callable[[], T]) -> T:
-        """The value made by ``produce()`` from ``sources``: cached, or made now and cached."""
+    def get(
+        self, sources: Sequence[torch.Tensor], produce: Callable[[], T], refresh: Callable[[T], T] | None = None
+    ) -> T:
+        """The value made by ``produce()`` from ``sources``: cached, or made now and cached.
+
+        ``refresh(old)``: remake a stale value into ``old``'s own tensors, kept at their addresses (for the
+        inputs of CUDA graphs); used when the same sources changed only in content or address (same shapes,
+        strides, dtypes, devices), else ``produce()`` makes a new value. Whoever still holds the old value
+        sees the new contents; an autograd graph that saved its tensors refuses to run (their versions moved).
+        """
         if any(t.is_inference() for t in sources):  # no version counter to key on: never cache
             return produce()
         owners = tuple(_owner(t) for t in sources)
         key = tuple(id(o) for o in owners)
         states = tuple(_state(t) for t in sources)
         entry = self._entries.get(key)
-        if (
-            entry is not None
-            and all(ref() is o for ref, o in zip(entry.owners, owners, strict=True))
-            and entry.states == states
-        ):
+        same_sources = entry is not None and all(ref() is o for ref, o in zip(entry.owners, owners, strict=True))
+        if same_sources and not entry.stale and entry.states == states:
             self.hits += 1
             return entry.value  # type: ignore[return-value]
         self.misses += 1
+        if refresh is not None and same_sources and list(map(_layout, entry.states)) == list(map(_layout, states)):
+            value = refresh(entry.value)
+            self._entries[key] = _Entry(entry.owners, states, value)
+            return value
         self._entries.pop(key, None)  # free the stale value before making the new one
         value = produce()
         refs = tuple(weakref.ref(o, self._forget(key)) for o in owners)
@@ -291,9 +322,16 @@ class FP8WeightCache:
 
         return forget
 
-    def invalidate(self) -> None:
-        """Drop every entry (after writes the version counter cannot see: ``param.data``, FSDP2 gathers)."""
-        self._entries.clear()
+    def invalidate(self, keep_values: bool = False) -> None:
+        """Drop every entry (after writes the version counter cannot see: ``param.data``, FSDP2 gathers).
+
+        ``keep_values``: mark every entry stale instead, keeping its tensors for :meth:`get`'s ``refresh``
+        (which rewrites them in place: CUDA graphs keep reading the same addresses); a lookup without
+        ``refresh`` replaces a stale entry as it would a changed one."""
+        if keep_values:
+            self._entries = {key: entry._replace(stale=True) for key, entry in self._entries.items()}
+        else:
+            self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -318,19 +356,36 @@ def check_weight_cache_mode(mode: object) -> None:
         raise ValueError(f"weight_cache must be one of {WEIGHT_CACHE_MODES}, got {mode!r}")
 
 
-def _both_orientations(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> ExpertWeightsFP8:
-    return quantize_expert_weights(w1, w2, w3, True, True, with_w13_t=True, with_w2_t=True)
+def _both_orientations(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, out: ExpertWeightsFP8 | None = None
+) -> ExpertWeightsFP8:
+    return quantize_expert_weights(w1, w2, w3, True, True, with_w13_t=True, with_w2_t=True, out=out)
 
 
-def step_cached_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mode: str) -> ExpertWeightsFP8:
+def step_cached_weights(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mode: str, static_addresses: bool = False
+) -> ExpertWeightsFP8:
     """``weight_cache="step"``'s FP8 weights (both orientations) from :data:`EXPERT_WEIGHT_CACHE`, made now on
     a miss; :data:`NOTHING` for any other mode, and while dynamo traces (the lookup is Python state a graph
     cannot hold: a traced ``"step"`` quantizes in the graph, as ``"forward"``). Call it outside the graph
-    and hand the tensors in: as inputs of a compiled graph they are never memory the graph may reuse."""
+    and hand the tensors in: as inputs of a compiled graph they are never memory the graph may reuse.
+
+    ``static_addresses``: for CUDA graphs (``compile_mode="reduce-overhead"``). A stale entry is re-quantized
+    into its own tensors, so they keep their addresses for as long as the weights keep their shapes, and
+    each is marked with ``torch._dynamo.mark_static_address(guard=False)``: a graph reads them where they
+    are instead of copying them into its input buffers on every replay (the weights' bytes again), and
+    records anew (no recompile) only if an address does change."""
     if mode != "step" or torch.compiler.is_compiling():
         return NOTHING
+    refresh = (lambda old: _both_orientations(w1, w2, w3, out=old)) if static_addresses else None
     with torch.no_grad():  # FP8 tiles are constants to the layer's autograd graph
-        return EXPERT_WEIGHT_CACHE.get((w1, w2, w3), lambda: _both_orientations(w1, w2, w3))
+        tiles = EXPERT_WEIGHT_CACHE.get((w1, w2, w3), lambda: _both_orientations(w1, w2, w3), refresh)
+    if static_addresses:
+        from torch._dynamo import mark_static_address  # only here: the module loads most of the compiler
+
+        for t in tiles:
+            mark_static_address(t, guard=False)
+    return tiles
 
 
 def weights_for_forward(

@@ -20,6 +20,7 @@ from fp8_helpers import sqnr_db
 from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.moe import FP8FlowMoE, _routed_experts, convert_moe_layer, fp8flow_routed_experts
 from fp8flow_ao.torchtitan.cpu import integer_histc
+from fp8flow_ao.weight_cache import step_cached_weights
 
 moe_mod = pytest.importorskip("torchtitan.models.moe.moe")
 
@@ -570,27 +571,33 @@ def test_weight_gradients_leave_the_function_contiguous():
         assert grad.shape == w.shape and grad.is_contiguous(), name
 
 
-def test_compile_mode_needs_inductor_and_no_step_cache():
+def test_compile_mode_needs_inductor():
     x = torch.randn(128, 256, dtype=torch.bfloat16)
     probs, ids = torch.rand(128, 2), torch.randint(0, 4, (128, 2))
     w = torch.randn(4, 128, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match='needs compile_backend="inductor"'):
         fp8flow_routed_experts(x, probs, ids, w, w.transpose(1, 2), w, compile_mode="reduce-overhead")
-    with pytest.raises(ValueError, match="copy the cached FP8 weights"):
-        fp8flow_routed_experts(
-            x, probs, ids, w, w.transpose(1, 2), w, weight_cache="step", compile_backend="inductor",
-            compile_mode="reduce-overhead",
-        )  # fmt: skip
+
+
+def _cuda_graph_rerecords() -> int:
+    """How many times inductor's CUDA graph trees recorded a graph again (e.g. for a moved static input)."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    return 0 if manager is None else sum(sum(counts.values()) for counts in manager.num_rerecord.values())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("weight_cache", ["off", "forward"])
+@pytest.mark.parametrize("weight_cache", ["off", "forward", "step"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 def test_gpu_cuda_graphed_path_is_bit_identical(weight_cache, recompute):
     """``compile_mode="reduce-overhead"``: two layers a step, three steps with new tokens, routings and
-    weights (an optimizer step between), every output and gradient bit for bit the eager path's."""
+    weights (an optimizer step between), every output and gradient bit for bit the eager path's. With
+    ``"step"`` the cached tiles are graph inputs read in place: re-quantized into the same tensors after each
+    update, so no graph is recorded again."""
     dim, hidden, experts, top_k, tokens = 1024, 512, 8, 4, 2048
     torch._dynamo.reset()
+    rerecords, tile_addresses = _cuda_graph_rerecords(), set()
     layers = [
         [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.05) for s in shapes]
         for shapes in [((experts, hidden, dim), (experts, dim, hidden), (experts, hidden, dim))] * 2
@@ -612,8 +619,12 @@ def test_gpu_cuda_graphed_path_is_bit_identical(weight_cache, recompute):
             results.append([out.detach().clone(), *(t.grad for t in leaves), *(w.grad for ws in weights for w in ws)])
         for i, (a, b) in enumerate(zip(*results, strict=True)):
             assert torch.equal(a, b), i
+        if weight_cache == "step":  # a hit: the tiles this step's graphs read
+            tile_addresses.add(tuple(t.data_ptr() for ws in layers for t in step_cached_weights(*ws, "step", True)))
         with torch.no_grad():
             for ws in (*layers, *twins):
                 for w in ws:
                     w.sub_(1e-3 * w.grad / w.grad.abs().amax())  # a bounded step: the values stay finite
                     w.grad = None
+    if weight_cache == "step":
+        assert len(tile_addresses) == 1 and _cuda_graph_rerecords() == rerecords

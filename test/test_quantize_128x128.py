@@ -182,6 +182,46 @@ def test_tail_equals_quantizing_the_concatenation(shape, tail_shape, dtype, with
             assert a is None
 
 
+@pytest.mark.parametrize(("with_data", "with_transpose"), [(True, True), (True, False), (False, True)])
+def test_out_rewrites_the_same_tensors_with_a_fresh_quantization(with_data, with_transpose):
+    """``out``: the bits of a fresh call, written into the given tensors (addresses kept, versions moved),
+    which are returned; the launcher takes the same buffers."""
+    w, tail = _weights((2, 128, 256), torch.bfloat16), _weights((2, 256, 256), torch.bfloat16).flip(-2)
+    out = quantize_128x128(w, with_transpose, with_data, w_tail=tail)
+    addresses = [None if t is None else t.data_ptr() for t in out]
+    versions = [None if t is None else t._version for t in out]
+    w, tail = w * 1000, tail.flip(-1)  # other tiles, other scales
+    assert quantize_128x128(w, with_transpose, with_data, w_tail=tail, out=out) is out
+    assert [None if t is None else t.data_ptr() for t in out] == addresses
+    assert all(t is None or t._version > v for t, v in zip(out, versions, strict=True))
+    expected = quantize_128x128_reference(torch.cat([w, tail], dim=-2).cpu(), with_transpose, with_data)
+    for a, e in zip(out, expected, strict=True):
+        if e.numel():
+            (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e)
+        else:
+            assert a is None
+    buffers = tuple(torch.empty_like(e, device=DEVICE) for e in quantize_128x128_reference(w.cpu() / 3))
+    _assert_outputs_equal(launch_quantize_128x128(w / 3, out=buffers), quantize_128x128_reference(w.cpu() / 3))
+
+
+def test_out_refuses_what_a_call_would_not_return(monkeypatch):
+    w = _weights((2, 128, 256), torch.bfloat16)
+    out = quantize_128x128(w)
+    with pytest.raises(TypeError, match=r"out must be a tuple \(data, scale_inv, data_t, scale_inv_t\)"):
+        quantize_128x128(w, out=list(out))
+    with pytest.raises(ValueError, match=r"out data must have shape \(2, 128, 256\)"):
+        quantize_128x128(w, out=(out[0][:, :, :128], *out[1:]))
+    with pytest.raises(TypeError, match="out scale_inv must have dtype"):
+        quantize_128x128(w, out=(out[0], out[1].bfloat16(), *out[2:]))
+    with pytest.raises(ValueError, match="out data_t must be contiguous"):
+        quantize_128x128(w, out=(*out[:2], out[2].transpose(1, 2).contiguous().transpose(1, 2), out[3]))
+    with pytest.raises(ValueError, match="out data_t must be None"):
+        quantize_128x128(w, with_transpose=False, out=out)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(RuntimeError, match="call it eagerly"):
+        quantize_128x128(w, out=out)
+
+
 def test_tail_compiles_and_passes_opcheck():
     w, tail = _weights((2, 128, 256), torch.bfloat16), _weights((2, 256, 256), torch.bfloat16)
     torch.library.opcheck(torch.ops.fp8flow.quantize_128x128.default, (w, True, True, tail))

@@ -407,6 +407,24 @@ def test_compile_mode_parses_from_toml(tmp_path: Path) -> None:
     assert parse("--job.config_file", str(toml)).fp8flow.compile_mode == "reduce-overhead"
 
 
+def test_compile_mode_takes_the_step_cache() -> None:
+    """CUDA graphs with ``weight_cache = "step"``: the cache keeps its tiles at fixed addresses for them, so
+    the hook after an optimizer step marks them stale instead of dropping them."""
+    from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE
+
+    converter = FP8FlowConverter(parse(*TT_ARGS, *GRAPHED, "--fp8flow.weight_cache", "step"), None)
+    assert converter.compile_mode == "reduce-overhead"
+    EXPERT_WEIGHT_CACHE.invalidate()  # entries of earlier tests' models that are still alive
+    w = torch.nn.Parameter(torch.randn(128, 128))
+    tiles = EXPERT_WEIGHT_CACHE.get((w,), w.detach().clone)
+    try:
+        converter.post_optimizer_hook(torch.nn.Module())
+        assert len(EXPERT_WEIGHT_CACHE) == 1
+        assert EXPERT_WEIGHT_CACHE.get((w,), w.detach().clone, lambda old: old.copy_(w.detach())) is tiles
+    finally:
+        EXPERT_WEIGHT_CACHE.invalidate()
+
+
 def test_compile_mode_allows_replicated_data_parallel() -> None:
     """DDP keeps every weight where it is, so CUDA graphs' fixed addresses hold (unlike FSDP2's unsharding)."""
     converter = FP8FlowConverter(parse(*TT_ARGS, *GRAPHED), parallel_dims(dp_replicate=2))
@@ -424,7 +442,6 @@ def test_compile_mode_allows_replicated_data_parallel() -> None:
         (("--compile.enable", "--fp8flow.backward", "bf16"), {}, r'fp8flow.backward = "bf16" \(an ablation'),
         (("--compile.enable", "--fp8flow.backward", "bf16_wgrad"), {}, 'fp8flow.backward = "bf16_wgrad"'),
         (("--compile.enable", "--compile.backend", "aot_eager"), {}, 'needs compile.backend = "inductor"'),
-        (("--compile.enable", "--fp8flow.weight_cache", "step"), {}, 'fp8flow.weight_cache = "step"'),
         (("--compile.enable",), {"dp_shard": 2}, "under FSDP.*not been measured"),
         (("--compile.enable",), {"cp": 2}, "under FSDP.*not been measured"),
         (("--compile.enable",), {"dp_replicate": 2, "dp_shard": 2}, "under FSDP"),  # HSDP
@@ -441,7 +458,6 @@ def test_compile_mode_allows_replicated_data_parallel() -> None:
         "bf16",
         "bf16_wgrad",
         "aot_eager",
-        "step",
         "fsdp",
         "cp",
         "hsdp",
@@ -549,13 +565,15 @@ def test_expert_parallel_under_torchrun_trains_like_bf16(tmp_path: Path, corpus:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weight_cache", ["off", "step"])
 def test_trainer_with_cuda_graph_experts_matches_the_compiled_path(
-    tmp_path: Path, corpus: Path, torchtitan_compile_globals
+    tmp_path: Path, corpus: Path, torchtitan_compile_globals, weight_cache: str
 ) -> None:
     """``fp8flow.compile_mode = "reduce-overhead"``: the routed experts replay as CUDA graphs (recorded by
     inductor's CUDA graph trees), with the same losses as the default compiled path. (Under activation
     checkpointing the converter refuses the mode: on the H200 the recomputed forward's replay overwrote
-    outputs its backward still read, and torch raised.)"""
+    outputs its backward still read, and torch raised.) With ``weight_cache = "step"`` the graphs read the
+    cached tiles in place, which the cache re-quantizes after every optimizer step: nothing is recorded again."""
     import sys
 
     from torch._inductor import cudagraph_trees
@@ -564,11 +582,15 @@ def test_trainer_with_cuda_graph_experts_matches_the_compiled_path(
     from _torchtitan import train  # the benchmarks' in-process one-GPU run
 
     flags = ["--compile.enable", "--activation_checkpoint.mode", "none", "--training.steps", "4"]
+    flags += ["--fp8flow.weight_cache", weight_cache]
     default = train(_debugmodel_args(corpus, tmp_path / "default", *flags), "cuda").losses
     torch._dynamo.reset()
     graphs = train(
         _debugmodel_args(corpus, tmp_path / "graphs", *flags, "--fp8flow.compile_mode", "reduce-overhead"), "cuda"
     ).losses
-    assert cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False) is not None
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None
     assert len(graphs) == 4 and all(math.isfinite(x) for x in graphs)
     assert graphs == pytest.approx(default, rel=1e-6, abs=0)
+    if weight_cache == "step":
+        assert sum(sum(counts.values()) for counts in manager.num_rerecord.values()) == 0

@@ -23,7 +23,10 @@ from fp8flow_ao.weight_cache import (
     EXPERT_WEIGHT_CACHE,
     NOTHING,
     WEIGHT_CACHE_MODES,
+    ExpertWeightsFP8,
     FP8WeightCache,
+    quantize_expert_weights,
+    step_cached_weights,
     weights_for_backward,
 )
 
@@ -132,6 +135,61 @@ def test_writes_through_data_are_invisible_until_invalidate():
     assert produce.calls == 1
     cache.invalidate()
     assert torch.equal(cache.get((w,), produce), w.detach() * 2) and produce.calls == 2
+
+
+def test_refresh_remakes_a_stale_value_in_its_own_tensors():
+    """``refresh``: same object and address after an update (what CUDA graphs need), a hit after it, and a
+    new value once the weight's shape changes."""
+    cache, w = FP8WeightCache(), _param()
+    produce, refreshed = _Producer(w), []
+
+    def refresh(old: torch.Tensor) -> torch.Tensor:
+        refreshed.append(old)
+        return old.copy_(w.detach() * 2)
+
+    first = cache.get((w,), produce, refresh)
+    address = first.data_ptr()
+    _optimizer_step(w)
+    again = cache.get((w,), produce, refresh)
+    assert again is first and again.data_ptr() == address and torch.equal(again, w.detach() * 2)
+    assert (produce.calls, len(refreshed)) == (1, 1)
+    assert cache.get((w,), produce, refresh) is first and (cache.hits, cache.misses) == (1, 2)
+    cache.invalidate(keep_values=True)  # stale though unchanged: refreshed in place, kept until then
+    assert len(cache) == 1 and cache.get((w,), produce, refresh) is first and len(refreshed) == 2
+    cache.invalidate(keep_values=True)
+    assert cache.get((w,), produce) is not first and produce.calls == 2  # no refresh: a new value
+    w.data = torch.randn(2, 256, 128)  # another shape: the old tensors cannot hold it
+    assert cache.get((w,), produce, refresh).shape == (2, 256, 128) and (produce.calls, len(refreshed)) == (3, 2)
+
+
+def test_step_tiles_for_cuda_graphs_keep_their_addresses():
+    """``step_cached_weights(static_addresses=True)``: after an optimizer step the tiles are re-quantized into
+    the same tensors (the bits of a fresh quantization, versions moved) and marked static for dynamo."""
+    *_, weights = _layer_inputs()
+    tiles = step_cached_weights(*weights, "step", static_addresses=True)
+    assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in tiles)
+    addresses, versions = [t.data_ptr() for t in tiles], [t._version for t in tiles]
+    for w in weights:
+        w.grad = torch.randn_like(w) * 0.01
+    torch.optim.SGD(weights, lr=1.0).step()
+    again = step_cached_weights(*weights, "step", static_addresses=True)
+    assert [t.data_ptr() for t in again] == addresses
+    assert all(t._version > v for t, v in zip(again, versions, strict=True))
+    with torch.no_grad():
+        fresh = quantize_expert_weights(*weights, True, True, with_w13_t=True, with_w2_t=True)
+    for name, a, b in zip(ExpertWeightsFP8._fields, again, fresh, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    assert step_cached_weights(*weights, "step") is again  # the plain lookup hits the same entry
+
+
+def test_fp8_gathered_weights_refuse_out():
+    """FSDP2's FP8 all-gathered tiles are joined, not quantized: nothing to write into ``out``."""
+    from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
+    from fp8flow_ao.tensor import Float8BlockwiseWeight
+
+    w1, w2, w3 = (Float8BlockwiseWeight(*quantize_128x128(torch.randn(2, 128, 256))[:2], torch.float32) for _ in "abc")
+    with pytest.raises(ValueError, match="out is not supported for FP8 all-gathered weights"):
+        quantize_expert_weights(w1, w2, w3, True, True, with_w13_t=True, with_w2_t=True, out=NOTHING)
 
 
 def test_inference_tensors_are_never_cached():

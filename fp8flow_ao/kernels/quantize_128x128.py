@@ -27,7 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8flow_ao._checks import check_contiguous, check_multiple, check_no_grad, check_same_device, check_tensor
+from fp8flow_ao._checks import (
+    check_contiguous,
+    check_multiple,
+    check_no_grad,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
@@ -145,14 +152,16 @@ def launch_quantize_128x128(
     with_data: bool = True,
     w_tail: torch.Tensor | None = None,
     config: triton.Config | None = None,
+    out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`quantize_128x128`.
 
     ``config=None``: each pass takes :func:`default_config`; tests pass each config to prove they agree.
+    ``out``: the four outputs to write into, as :func:`_allocate` makes them (unchecked: the caller checks).
     """
     shape = _joined_shape(w, w_tail)
     n_head, (n, k) = w.shape[-2], shape[-2:]
-    data, scale_inv, data_t, scale_inv_t = _allocate(w, with_transpose, with_data, w_tail)
+    data, scale_inv, data_t, scale_inv_t = out or _allocate(w, with_transpose, with_data, w_tail)
     num_tiles = math.prod(shape) // (BLOCK * BLOCK)
     if num_tiles == 0:
         return data, scale_inv, data_t, scale_inv_t
@@ -231,8 +240,53 @@ def _(
     return _allocate(w, with_transpose, with_data, w_tail)
 
 
+def _check_out(
+    out: object, w: torch.Tensor, with_transpose: bool, with_data: bool, w_tail: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """``out`` as the launcher's four tensors (an orientation not asked for: empty stand-ins), or an error
+    naming the first output that is not what :func:`quantize_128x128` would return."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("quantize_128x128(out=...) writes in place outside autograd: call it eagerly")
+    if not (isinstance(out, tuple) and len(out) == 4):
+        raise TypeError(f"out must be a tuple (data, scale_inv, data_t, scale_inv_t), got {type(out).__name__}")
+    expected = _allocate(w.to("meta"), with_transpose, with_data, None if w_tail is None else w_tail.to("meta"))
+    wanted = (with_data, with_data, with_transpose, with_transpose)
+    names = ("data", "scale_inv", "data_t", "scale_inv_t")
+    for name, t, like, want in zip(names, out, expected, wanted, strict=True):
+        if not want:
+            if t is not None:
+                raise ValueError(f"out {name} must be None: that orientation was not asked for")
+            continue
+        check_tensor(f"out {name}", t, dtypes=like.dtype, ndim=like.dim())
+        check_shape(f"out {name}", t, tuple(like.shape))
+        check_contiguous(f"out {name}", t)
+        check_same_device(w=w, **{f"out_{name}": t})
+    return tuple(
+        t if want else w.new_empty((0,), dtype=like.dtype) for t, like, want in zip(out, expected, wanted, strict=True)
+    )
+
+
+def _write_into(
+    out: tuple[torch.Tensor, ...], w: torch.Tensor, with_transpose: bool, with_data: bool, w_tail: torch.Tensor | None
+) -> None:
+    """Quantize into ``out`` (the launcher's four tensors): the kernel on CUDA, else the reference copied in.
+    The written tensors' version counters move, so an autograd graph that saved them refuses to run."""
+    if w.is_cuda:
+        launch_quantize_128x128(w, with_transpose, with_data, w_tail, out=out)
+        for t in out:
+            torch.autograd.graph.increment_version(t)
+        return
+    for t, fresh in zip(out, quantize_128x128_reference(w, with_transpose, with_data, w_tail), strict=True):
+        if fresh.numel():
+            t.copy_(fresh)
+
+
 def quantize_128x128(
-    w: torch.Tensor, with_transpose: bool = True, with_data: bool = True, w_tail: torch.Tensor | None = None
+    w: torch.Tensor,
+    with_transpose: bool = True,
+    with_data: bool = True,
+    w_tail: torch.Tensor | None = None,
+    out: tuple[torch.Tensor | None, ...] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Quantize weights to E4M3 with one power-of-two scale per 128 x 128 tile.
 
@@ -247,6 +301,12 @@ def quantize_128x128(
             ``cat([w, w_tail], dim=-2)`` ``[E, N + N2, K]``, bit for bit, written in one pass without
             the concatenation (the MoE layer's ``W13 = [w1; w3]``). Same dtype, device, leading dims
             and ``K`` as ``w``; contiguous; ``N2`` a multiple of 128.
+        out: optional ``(data, scale_inv, data_t, scale_inv_t)`` to write into instead of new tensors, each
+            exactly as returned (shape, dtype, device, contiguous; ``None`` for an orientation not asked
+            for); they are returned. Eager only (not while ``torch.compile`` traces): the writes bypass
+            autograd, and the outputs' version counters are bumped. For buffers whose address must not
+            change, e.g. the inputs of a CUDA graph (``weight_cache="step"`` under ``compile_mode=
+            "reduce-overhead"``).
 
     Returns:
         ``(data, scale_inv, data_t, scale_inv_t)``, all contiguous (no ``E`` dim for a 2-D ``w``;
@@ -280,6 +340,9 @@ def quantize_128x128(
             )
         check_multiple("w_tail", w_tail.shape[-2], what="dim N (-2)")
     check_no_grad("quantize_128x128", w, w_tail)
+    if out is not None:
+        _write_into(_check_out(out, w, with_transpose, with_data, w_tail), w, with_transpose, with_data, w_tail)
+        return out
     data, scale_inv, data_t, scale_inv_t = torch.ops.fp8flow.quantize_128x128(w, with_transpose, with_data, w_tail)
     forward = (data, scale_inv) if with_data else (None, None)
     return (*forward, *((data_t, scale_inv_t) if with_transpose else (None, None)))

@@ -123,12 +123,6 @@ def _experts_compile_mode(
             'fp8flow.compile_mode = "reduce-overhead" needs compile.backend = "inductor" (CUDA graphs are an '
             f"inductor mode), got {job_config.compile.backend!r}"
         )
-    if options.weight_cache == "step":
-        # fp8flow_routed_experts refuses the pair too, but only at the first forward.
-        raise ValueError(
-            'fp8flow.compile_mode = "reduce-overhead" with fp8flow.weight_cache = "step" would copy the cached FP8 '
-            'weights into the CUDA graphs\' input buffers on every replay; use weight_cache = "forward" or "off"'
-        )
     if job_config.activation_checkpoint.mode != "none":
         # Measured on an H200 (test_trainer_with_cuda_graph_experts_matches_the_compiled_path): torch raises
         # "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run".
@@ -231,7 +225,9 @@ class FP8FlowConverter(ModelConverter):
 
         The cache already misses on a changed version counter; this explicit drop also covers FSDP2,
         whose all-gather into the unsharded parameters keeps their version counters, and frees the
-        stale FP8 copies before the next forward allocates new ones.
+        stale FP8 copies before the next forward allocates new ones. Under CUDA graphs
+        (``compile_mode = "reduce-overhead"``, never with FSDP2) the entries are marked stale instead: the
+        next forward re-quantizes into the same tensors, whose addresses the graphs hold.
         """
         if self.options.weight_cache == "step":
-            EXPERT_WEIGHT_CACHE.invalidate()
+            EXPERT_WEIGHT_CACHE.invalidate(keep_values=self.compile_mode == "reduce-overhead")
