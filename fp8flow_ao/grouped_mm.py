@@ -398,7 +398,8 @@ def _blockwise_backward(
     # Written in the weight's dtype by the epilogue, or added there into the gradient it already holds.
     target = _fused_grad_target(fuse_into, ctx.b_dtype)
     args = (g_t_data, g_t_scale, a_t_data, a_t_scale, offs)
-    grad_w = grouped_gemm_fp8_wgrad(*args, out_dtype=ctx.b_dtype, accumulate_into=target)
+    # The transpose's scales are one per 128x128 tile (b_tile_scales: one FFMA an element to promote).
+    grad_w = grouped_gemm_fp8_wgrad(*args, out_dtype=ctx.b_dtype, accumulate_into=target, b_tile_scales=True)
     return grad_a, (grad_w if target is None else None)
 
 

@@ -271,7 +271,10 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
         a_t, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
         # Weight gradients leave the GEMM in the weights' dtype: the kernel accumulates in fp32 and rounds
         # once (the same bits as rounding an fp32 result), without writing and re-reading an fp32 copy.
-        grad_w2 = grouped_gemm_fp8_wgrad(dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype)
+        # The transpose's scales are one per 128x128 tile (b_tile_scales: one FFMA an element to promote).
+        grad_w2 = grouped_gemm_fp8_wgrad(
+            dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype, b_tile_scales=True
+        )
 
     # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
     dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs, ctx.score_before)
@@ -290,7 +293,9 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
     # views, which autograd copies into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
     if fp8_wgrads:
         xp_t, xp_t_scale = scaling_aware_transpose(rows, rows_scale, offs, src_rows, rows_k)
-        grad_w13 = grouped_gemm_fp8_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2)
+        grad_w13 = grouped_gemm_fp8_wgrad(
+            dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2, b_tile_scales=True
+        )
     else:
         xp, xp_scale = _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k)
         _, _, grad_w2, grad_w13 = _grads_bf16(

@@ -22,6 +22,7 @@ from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import (
     launch_grouped_gemm_fp8_wgrad_sm90,
     launch_grouped_gemm_fp8_wgrad_triton,
 )
+from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose_reference
 
 LAUNCHERS = {"triton": launch_grouped_gemm_fp8_wgrad_triton, "sm90": launch_grouped_gemm_fp8_wgrad_sm90}
 
@@ -192,6 +193,65 @@ def test_non_finite_scales_give_non_finite_output(launch):
     assert int((~torch.isfinite(out)).sum()) == 128 + 128
 
 
+def tile_scaled_operands(counts: list[int], n: int, k: int, extra_rows: int = 0):
+    """:func:`make_operands` with ``b_t`` as the MoE layer makes it: X quantized row-wise (1x128), then
+    re-encoded column-wise by ``scaling_aware_transpose`` (one scale per 128x128 tile, repeated over its
+    columns). ``extra_rows``: a multiple of 128, as the transpose needs."""
+    a_t, a_t_scale, _, _, offsets = make_operands(counts, n, k, extra_rows, device="cpu")
+    m = a_t.shape[1]
+    x = torch.randn(m, k) * torch.logspace(-2, 2, k)[torch.randperm(k)]  # tiles of unlike column scales
+    x_data, x_scale = quantize_rows_reference(x, BLOCK)
+    b_t, b_t_scale = scaling_aware_transpose_reference(x_data, x_scale, offsets)
+    assert torch.equal(b_t_scale, b_t_scale[:, ::BLOCK].repeat_interleave(BLOCK, dim=1))
+    return [t.to(DEVICE) for t in (a_t, a_t_scale, b_t, b_t_scale, offsets)]
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_b_tile_scales_is_bit_identical_on_transposed_operands(out_dtype, launch):
+    """Where ``b_t_scale`` repeats one scale per tile (``scaling_aware_transpose``'s output), reading one
+    per tile changes no bit (power-of-two scales: the products are exact), writing, in chunks or adding
+    into a gradient; and the reference with the flag equals it without."""
+    counts = [300, 0, 129, 640, 0]
+    args = tile_scaled_operands(counts, 256, 384, extra_rows=128)
+    plain = launch(*args, out_dtype)
+    assert torch.equal(launch(*args, out_dtype, b_tile_scales=True), plain)
+    check(plain, *args, out_dtype, counts)
+    chunked = launch(*args, out_dtype, n_chunks=2, b_tile_scales=True)
+    assert torch.equal(chunked, launch(*args, out_dtype, n_chunks=2))
+    existing = torch.randn(len(counts), 256, 384, device=DEVICE).to(out_dtype)
+    into, into_tiles = existing.clone(), existing.clone()
+    launch(*args, out_dtype, accumulate_into=into)
+    launch(*args, out_dtype, accumulate_into=into_tiles, b_tile_scales=True)
+    assert torch.equal(into_tiles, into)
+    cpu = [t.cpu() for t in args]
+    assert torch.equal(
+        grouped_gemm_fp8_wgrad_reference(*cpu, b_tile_scales=True), grouped_gemm_fp8_wgrad_reference(*cpu)
+    )
+
+
+def test_b_tile_scales_takes_each_blocks_first_column(launch):
+    """The flag's contract where the scales do not repeat: every column of a block is promoted by the
+    block's first scale (the kernels and the reference agree), which is not the per-column result."""
+    counts = [256, 0, 300]
+    args = make_operands(counts, 128, 256)
+    out = launch(*args, torch.float32, b_tile_scales=True)
+    cpu = [t.cpu() for t in args]
+    expected = grouped_gemm_fp8_wgrad_reference(*cpu, b_tile_scales=True)
+    assert rel_error(out, expected) < TOLERANCE[torch.float32]
+    assert rel_error(out, grouped_gemm_fp8_wgrad_reference(*cpu)) > 0.1
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("config", mod.SM90_WGRAD_CONFIGS, ids=str)
+def test_sm90_b_tile_scales_every_config(config):
+    """Every sm90 config with per-tile B scales, bit for bit its per-column form, on many tiles per program."""
+    counts = [300, 0, 1000, 129, 640, 0, 17, 900, 4100, 0, 2000, 128]
+    args = tile_scaled_operands(counts, 384, 512, extra_rows=128)
+    out = launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.bfloat16, config, b_tile_scales=True)
+    assert torch.equal(out, launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.bfloat16, config))
+    check(out, *args, torch.bfloat16, counts)
+
+
 EVERY_CONFIG = [pytest.param(launch_grouped_gemm_fp8_wgrad_triton, c, marks=pytest.mark.gpu) for c in mod.WGRAD_CONFIGS]
 EVERY_CONFIG += [
     pytest.param(launch_grouped_gemm_fp8_wgrad_sm90, c, marks=pytest.mark.hopper) for c in mod.SM90_WGRAD_CONFIGS
@@ -211,13 +271,19 @@ def test_every_config(launcher, config, out_dtype):
     check(out, *args, out_dtype, counts)
 
 
-@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
-def test_sm90_kernel_builds_for_hopper(accumulate):
+@pytest.mark.parametrize(
+    ("accumulate", "b_tile_scales"), [(False, False), (True, False), (False, True), (True, True)],
+    ids=["write", "accumulate", "write-tile-scales", "accumulate-tile-scales"],
+)  # fmt: skip
+def test_sm90_kernel_builds_for_hopper(accumulate, b_tile_scales):
     """On any machine: the Gluon kernel compiles to sm_90a cubins with this Triton, every config, both
-    output dtypes, writing or accumulating (API drift between Triton releases shows up here, not
-    first on a GPU)."""
+    output dtypes, writing or accumulating, per-column or per-tile B scales (API drift between Triton
+    releases shows up here, not first on a GPU)."""
     built = build_every_sm90_config(
-        "grouped_gemm_fp8_wgrad", "SM90_WGRAD_CONFIGS", "build_sm90_wgrad_kernel", f"accumulate={accumulate}"
+        "grouped_gemm_fp8_wgrad",
+        "SM90_WGRAD_CONFIGS",
+        "build_sm90_wgrad_kernel",
+        f"accumulate={accumulate}, b_tile_scales={b_tile_scales}",
     )
     fitting = [c for c in mod.SM90_WGRAD_CONFIGS for d in OUT_DTYPES if mod.sm90_smem_bytes(c, d) <= SM90_SMEM_BYTES]
     assert len(built) == len(fitting) >= len(mod.SM90_WGRAD_CONFIGS)
@@ -243,6 +309,8 @@ def test_sm90_default_config_fits_and_prefers_wide_tiles():
         assert all(mod.sm90_smem_bytes(config, d) <= SM90_SMEM_BYTES for d in OUT_DTYPES)
         # Accumulating: one 128-wide half per consumer, whose stored values load under the reduction.
         assert mod.sm90_wgrad_default_config(k, accumulate=True) == Sm90Config(128, 4, 16)
+        # Per-tile B scales: 128x128, the form ptxas keeps in registers.
+        assert mod.sm90_wgrad_default_config(k, b_tile_scales=True) == Sm90Config(128, 4, 16)
 
 
 @pytest.mark.skipif(conftest.IS_HOPPER, reason="checks the refusal off Hopper")
@@ -303,14 +371,15 @@ def test_accumulate_op_dispatch_and_compile(out_dtype):
     assert rel_error(eager, ref) < TOLERANCE[out_dtype]
 
 
-def test_opcheck():
+@pytest.mark.parametrize("b_tile_scales", [False, True])
+def test_opcheck(b_tile_scales):
     args = make_operands([128, 128], 128, 128)
     before = [t.clone() for t in args]
     # test_schema is left out: its mutation check calls torch.allclose, which has no fp8 kernel
     # ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'); the check below replaces it.
     torch.library.opcheck(
         torch.ops.fp8flow.grouped_gemm_fp8_wgrad.default,
-        (*args, torch.float32),
+        (*args, torch.float32, 1, b_tile_scales),
         test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
     for t, t0 in zip(args, before, strict=True):
@@ -325,6 +394,7 @@ def test_accumulate_opcheck():
     into = torch.randn(2, 128, 128, device=DEVICE)
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(op, (*args, into), test_utils=utils)
+    torch.library.opcheck(op, (*args, into, True), test_utils=utils)
     before, into_before = [t.clone() for t in args], into.clone()
     assert op(*args, into) is None
     for t, t0 in zip(args, before, strict=True):
@@ -400,6 +470,23 @@ def test_bad_out_dtype():
 def test_bad_accumulate_into(into, out_dtype, error, match):
     with pytest.raises(error, match=match):
         grouped_gemm_fp8_wgrad(**_good(), out_dtype=out_dtype, accumulate_into=into)
+
+
+def test_b_tile_scales_must_be_a_bool():
+    with pytest.raises(TypeError, match="b_tile_scales must be a bool"):
+        grouped_gemm_fp8_wgrad(**_good(), b_tile_scales=1)
+
+
+def test_opt_in_validation_of_tile_scales(monkeypatch):
+    """FP8FLOW_VALIDATE=1: per-tile B scales must repeat over each 128-column block (NaN repeats NaN)."""
+    monkeypatch.setenv("FP8FLOW_VALIDATE", "1")
+    good = _good()
+    good["b_t_scale"][1, 128:] = float("nan")
+    grouped_gemm_fp8_wgrad(**good, b_tile_scales=True)
+    good["b_t_scale"][1, 130] = 2.0
+    with pytest.raises(ValueError, match=r"block \(1, 1\) differs at column 130"):
+        grouped_gemm_fp8_wgrad(**good, b_tile_scales=True)
+    grouped_gemm_fp8_wgrad(**good)  # per-column scales: nothing to check
 
 
 def test_opt_in_validation_of_offsets(monkeypatch):

@@ -5,7 +5,11 @@ physically transposed so the token dim (the reduction dim here) is contiguous, a
 tensor cores need: ``a_t`` = dY^T ``[N, M]`` with scales ``[M/128, N]``, ``b_t`` = X^T ``[K, M]``
 with scales ``[M/128, K]`` (one scale per 128 tokens x 1 feature). The reduction over expert
 ``e``'s rows runs in 128-row blocks; each block's tensor-core partial is promoted into the fp32
-accumulator with the outer product ``a_t_scale[mb, n] * b_t_scale[mb, k]``.
+accumulator with the outer product ``a_t_scale[mb, n] * b_t_scale[mb, k]``. Where ``b_t`` comes from
+:func:`~fp8flow_ao.kernels.scaling_aware_transpose.scaling_aware_transpose` (the MoE layer's X^T and a^T,
+``fp8_grouped_mm``'s A^T), its scales are one per 128 x 128 tile, repeated over the tile's columns:
+``b_tile_scales=True`` reads one per tile, so the promotion is one multiply-add per element with no
+per-column scale vector in registers.
 
 Two kernels share one contract; both walk (expert, N tile, K tile) output tiles on a persistent
 grid, each tile reading its expert's rows from the group end offsets on the device (no host sync).
@@ -54,6 +58,7 @@ from fp8flow_ao._checks import (
     check_same_device,
     check_shape,
     check_tensor,
+    validation_enabled,
 )
 from fp8flow_ao._format import BLOCK
 from fp8flow_ao.kernels._grouped_gemm_common import (
@@ -125,6 +130,7 @@ def _grouped_gemm_fp8_wgrad_kernel(
     stride_a,
     stride_b,
     ACCUMULATE: tl.constexpr,
+    B_TILE_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -136,7 +142,8 @@ def _grouped_gemm_fp8_wgrad_kernel(
     b = X^T ``[K, M]`` (row stride ``stride_b``), b_scale ``[M/128, K]`` contiguous,
     out contiguous ``[N / N_CHUNK, E, N_CHUNK, K]`` (``[E, N, K]`` when ``N_CHUNK == N``), ends ``[E]``
     int32 group end offsets. Output tile = BLOCK_M rows of N x BLOCK_N columns of K (BLOCK_M divides
-    N_CHUNK). ``ACCUMULATE``: out holds a gradient; store out + the tile's sum.
+    N_CHUNK). ``ACCUMULATE``: out holds a gradient; store out + the tile's sum. ``B_TILE_SCALES``: each
+    column takes its 128-column block's first scale (``b_tile_scales``).
     """
     row_blocks = tl.cdiv(M, BLOCK_K)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, M], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -157,6 +164,7 @@ def _grouped_gemm_fp8_wgrad_kernel(
         last_block = tl.minimum(end // BLOCK_K, row_blocks)
         cols_n = n0 + tl.arange(0, BLOCK_M)
         cols_k = k0 + tl.arange(0, BLOCK_N)
+        scale_cols = cols_k // BLOCK_K * BLOCK_K if B_TILE_SCALES else cols_k
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for mb in range(first_block, last_block):
             a = a_desc.load([n0, mb * BLOCK_K])
@@ -164,7 +172,7 @@ def _grouped_gemm_fp8_wgrad_kernel(
             # Scales by pointer loads, which the compiler pipelines like the operands. (By TMA, the
             # [1, BLOCK] scale rows were loaded synchronously every block: 2x slower.)
             sa = tl.load(a_scale_ptr + mb * N + cols_n, mask=cols_n < N, other=0.0)
-            sb = tl.load(b_scale_ptr + mb * K + cols_k, mask=cols_k < K, other=0.0)
+            sb = tl.load(b_scale_ptr + mb * K + scale_cols, mask=cols_k < K, other=0.0)
             acc = tl.dot(a, b.T) * (sa[:, None] * sb[None, :]) + acc
         row = _out_row(e, n0, E, N_CHUNK)
         if ACCUMULATE:
@@ -216,6 +224,7 @@ def launch_grouped_gemm_fp8_wgrad_triton(
     config: triton.Config | None = None,
     accumulate_into: torch.Tensor | None = None,
     n_chunks: int = 1,
+    b_tile_scales: bool = False,
 ) -> torch.Tensor:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`grouped_gemm_fp8_wgrad`
     (``out_dtype`` must be ``accumulate_into``'s dtype when that is given; it is returned, updated).
@@ -246,6 +255,7 @@ def launch_grouped_gemm_fp8_wgrad_triton(
         b_t.stride(0),
         config=INTERPRET_CONFIG if config is None and interpreting() else config,
         ACCUMULATE=accumulate_into is not None,
+        B_TILE_SCALES=b_tile_scales,
     )
     return out
 
@@ -275,14 +285,18 @@ def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype) -> int:
     return config.smem_bytes(out_dtype, (BLOCK + config.block_n) * 4)
 
 
-def sm90_wgrad_default_config(k: int, accumulate: bool = False) -> Sm90Config:
+def sm90_wgrad_default_config(k: int, accumulate: bool = False, b_tile_scales: bool = False) -> Sm90Config:
     """The config the op runs with for ``K`` output columns: 128x256 tiles with ordered consumers
     where K allows (as the forward), 128x128 otherwise, and 128x128 when adding into a stored gradient
     (``accumulate``): a consumer's one half then has its stored values loaded under the reduction,
     where a 128x256 tile's second half waits for its load after the first half's store (H200, the
     nine shapes of ``grouped_gemm_notes.md``'s session 22: bf16 gradients 0.2-4.9% faster than
-    128x256, fp32 -3.5% to +2.4%)."""
-    return SM90_WGRAD_CONFIGS[0] if k % 256 == 0 and not accumulate else SM90_WGRAD_CONFIGS[1]
+    128x256, fp32 -3.5% to +2.4%). With ``b_tile_scales`` 128x128 too: its consumer needs 128 registers
+    of accumulator and partial and no per-column scales, where ptxas (triton 3.6 and 3.9) spills ~160
+    values a thread in the 128x256 form's loop (two partials in different register ranges besides the
+    two accumulators): H200 sweep (``grouped_gemm_fp8_blockwise_sweep.md``, 2026-11-27, the three anchor
+    shapes), 935-1008 TFLOP/s at 128x128 against 784-857 at 128x256 and 808-860 per-column."""
+    return SM90_WGRAD_CONFIGS[0] if k % 256 == 0 and not (accumulate or b_tile_scales) else SM90_WGRAD_CONFIGS[1]
 
 
 @gluon.jit
@@ -348,12 +362,40 @@ def _plus_stored(acc, out_s, bar, phase, layout: gl.constexpr):
 
 
 @gluon.jit
+def _column_scales(sb_bufs, s, HALF: gl.constexpr, cols_layout: gl.constexpr, B_TILE_SCALES: gl.constexpr):
+    """Ring slot ``s``'s column scales of output half ``HALF``: the ``[128]`` vector in ``cols_layout``, or
+    with ``B_TILE_SCALES`` the half's one scale (its first column's: every thread reads the same word,
+    a broadcast) as a scalar."""
+    if B_TILE_SCALES:
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        sb = gl.max(sb_bufs.index(s).slice(HALF * SM90_BLOCK, 1).load(one), axis=0)
+    else:
+        sb = sb_bufs.index(s).slice(HALF * SM90_BLOCK, SM90_BLOCK).load(cols_layout)
+    return sb
+
+
+@gluon.jit
+def _promote(acc, part, sa, sb, B_TILE_SCALES: gl.constexpr):
+    """``acc + part * (sa outer sb)``; with ``B_TILE_SCALES`` ``sb`` is a scalar, folded into the rows' scales
+    first: one FFMA per element instead of an FMUL and an FFMA (power-of-two scales: the same bits)."""
+    return part * (sa * sb)[:, None] + acc if B_TILE_SCALES else part * sa[:, None] * sb[None, :] + acc
+
+
+@gluon.jit
 def _wgrad_consumer(
-    WG: gl.constexpr, GROUP_M: gl.constexpr, ORDERED: gl.constexpr, ACCUMULATE: gl.constexpr, ring, out, problem
+    WG: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    ORDERED: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+    B_TILE_SCALES: gl.constexpr,
+    ring,
+    out,
+    problem,
 ):
     """One warpgroup: output rows ``[64 WG, 64 WG + 64)`` of every tile; the promotion scale is the
     outer product of the block's row scales (N) and column scales (K), read from the ring just
-    before each use (a 128x256 tile's column scales are never all held in registers)."""
+    before each use (a 128x256 tile's column scales are never all held in registers); with
+    ``B_TILE_SCALES`` one column scale per 128-column half (:func:`_column_scales`)."""
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn = ring
     out_desc, out_bufs, N_CHUNK, stored_bars = out
     ends_ptr, M, N, K, E = problem
@@ -385,17 +427,17 @@ def _wgrad_consumer(
             s = it % STAGES
             part = sm90_first_mma(a_bufs, b_bufs, ready, turn, it, mma, WG, ORDERED)
             sa = sa_bufs.index(s).slice(WG * WG_ROWS, WG_ROWS).load(rows_layout)
-            sb = sb_bufs.index(s).slice(0, SM90_BLOCK).load(cols_layout)
+            sb = _column_scales(sb_bufs, s, 0, cols_layout, B_TILE_SCALES)
             part = warpgroup_mma_wait(0, deps=(part,))
             if HALVES == 1:
                 mbarrier.arrive(empty.index(s), count=1)
-            acc0 = part * sa[:, None] * sb[None, :] + acc0
+            acc0 = _promote(acc0, part, sa, sb, B_TILE_SCALES)
             if HALVES == 2:
                 acc0, part = sm90_second_mma(a_bufs, b_bufs, s, acc0, mma, WG)
-                sb = sb_bufs.index(s).slice(SM90_BLOCK, SM90_BLOCK).load(cols_layout)
+                sb = _column_scales(sb_bufs, s, 1, cols_layout, B_TILE_SCALES)
                 part = warpgroup_mma_wait(0, deps=(part,))
                 mbarrier.arrive(empty.index(s), count=1)
-                acc1 = part * sa[:, None] * sb[None, :] + acc1
+                acc1 = _promote(acc1, part, sa, sb, B_TILE_SCALES)
             it += 1
         if ACCUMULATE:
             acc0 = _plus_stored(acc0, out_s, stored_bar, loads & 1, mma)
@@ -428,6 +470,7 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     STAGES: gl.constexpr,
     ORDERED: gl.constexpr,
     ACCUMULATE: gl.constexpr,
+    B_TILE_SCALES: gl.constexpr,
 ):
     """Warp-specialized persistent blockwise FP8 grouped weight-gradient GEMM (Hopper).
 
@@ -436,6 +479,7 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     ``[E * N, K]`` (the ``[N / N_CHUNK, E, N_CHUNK, K]`` output flattened), 64x128 boxes, also read
     when ``ACCUMULATE`` (each tile's stored values, loaded by TMA into the consumer's staging buffer on
     its ``stored_bars`` barrier before the reduction; out + the tile's sum stored); ends ``[E]`` int32.
+    ``B_TILE_SCALES``: the consumers read one B scale per 128-column half, its first column's.
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -452,8 +496,8 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     out = (out_desc, out_bufs, N_CHUNK, stored_bars)
     gl.warp_specialize(
         [
-            (_wgrad_consumer, (0, GROUP_M, ORDERED, ACCUMULATE, ring, out, problem)),
-            (_wgrad_consumer, (1, GROUP_M, ORDERED, ACCUMULATE, ring, out, problem)),
+            (_wgrad_consumer, (0, GROUP_M, ORDERED, ACCUMULATE, B_TILE_SCALES, ring, out, problem)),
+            (_wgrad_consumer, (1, GROUP_M, ORDERED, ACCUMULATE, B_TILE_SCALES, ring, out, problem)),
             (_wgrad_producer, (GROUP_M, (a_desc, b_desc, sa_desc, sb_desc), ring, problem)),
         ],
         [4, 1],
@@ -471,13 +515,14 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
     config: Sm90Config | None = None,
     accumulate_into: torch.Tensor | None = None,
     n_chunks: int = 1,
+    b_tile_scales: bool = False,
 ) -> torch.Tensor:
     """Gluon launcher (Hopper GPUs only). Same contract as :func:`launch_grouped_gemm_fp8_wgrad_triton`.
 
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_wgrad_default_config`.
     """
     k = b_t.shape[0]
-    config = config or sm90_wgrad_default_config(k, accumulate_into is not None)
+    config = config or sm90_wgrad_default_config(k, accumulate_into is not None, b_tile_scales)
     check_sm90_launch(a_t.device, config, k, out_dtype, sm90_smem_bytes(config, out_dtype))
     out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype, accumulate_into, n_chunks)
     if m == 0:
@@ -504,15 +549,18 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
         STAGES=config.stages,
         ORDERED=config.ordered,
         ACCUMULATE=accumulate_into is not None,
+        B_TILE_SCALES=b_tile_scales,
         num_warps=4,
     )
     return out
 
 
-def build_sm90_wgrad_kernel(config: Sm90Config, out_dtype: torch.dtype, accumulate: bool = False) -> Any:
+def build_sm90_wgrad_kernel(
+    config: Sm90Config, out_dtype: torch.dtype, accumulate: bool = False, b_tile_scales: bool = False
+) -> Any:
     """Compile the sm90 wgrad kernel for sm_90a without a GPU (see ``compile_for_sm90``), with the
-    specialization a launch with ``config``, ``out_dtype`` and ``accumulate_into`` given or not
-    (``accumulate``) would have."""
+    specialization a launch with ``config``, ``out_dtype``, ``accumulate_into`` given or not
+    (``accumulate``) and ``b_tile_scales`` would have."""
     fp8 = torch.float8_e4m3fn
     signature = {
         "a_desc": descriptor_signature((BLOCK, BLOCK), fp8),
@@ -522,13 +570,14 @@ def build_sm90_wgrad_kernel(config: Sm90Config, out_dtype: torch.dtype, accumula
         "out_desc": descriptor_signature((64, BLOCK), out_dtype),
         "ends_ptr": "*i32",
         **dict.fromkeys(("M", "N", "K", "E", "N_CHUNK"), "i32"),
-        **dict.fromkeys(("GROUP_M", "STAGES", "ORDERED", "ACCUMULATE"), "constexpr"),
+        **dict.fromkeys(("GROUP_M", "STAGES", "ORDERED", "ACCUMULATE", "B_TILE_SCALES"), "constexpr"),
     }
     constexprs = {
         "GROUP_M": config.group_m,
         "STAGES": config.stages,
         "ORDERED": config.ordered,
         "ACCUMULATE": accumulate,
+        "B_TILE_SCALES": b_tile_scales,
     }
     return compile_for_sm90(_grouped_gemm_fp8_wgrad_sm90_kernel, signature, constexprs)
 
@@ -553,15 +602,19 @@ def grouped_gemm_fp8_wgrad_reference(
     out_dtype: torch.dtype = torch.float32,
     accumulate_into: torch.Tensor | None = None,
     n_chunks: int = 1,
+    b_tile_scales: bool = False,
 ) -> torch.Tensor:
     """Torch reference (the oracle and the CPU path): dequantize, then one fp32 matmul per expert;
     with ``accumulate_into``, plus its values in fp32, rounded once (a new tensor: it is not mutated);
-    with ``n_chunks > 1``, laid out ``[n_chunks, E, N / n_chunks, K]``.
+    with ``n_chunks > 1``, laid out ``[n_chunks, E, N / n_chunks, K]``; with ``b_tile_scales``, every
+    column of ``b_t`` dequantized by its 128-column block's first scale.
 
     Rows of each operand outside every group (at or past the last end) are masked out, so they are
     never part of any expert's sum.
     """
     m = a_t.shape[1]
+    if b_tile_scales:
+        b_t_scale = b_t_scale[:, ::BLOCK].repeat_interleave(BLOCK, dim=1)
     a32 = _dequantize_columns(a_t, a_t_scale)
     b32 = _dequantize_columns(b_t, b_t_scale)
     rows = torch.arange(m, device=a_t.device, dtype=torch.int32)
@@ -589,16 +642,16 @@ def _grouped_gemm_fp8_wgrad_op(
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype,
     n_chunks: int = 1,
+    b_tile_scales: bool = False,
 ) -> torch.Tensor:
     args = (a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
-    return grouped_gemm_fp8_wgrad_reference(*args, n_chunks=n_chunks)
+    return grouped_gemm_fp8_wgrad_reference(*args, n_chunks=n_chunks, b_tile_scales=b_tile_scales)
 
 
 @_grouped_gemm_fp8_wgrad_op.register_kernel("cuda")
-def _(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype, n_chunks=1) -> torch.Tensor:
-    return launch_grouped_gemm_fp8_wgrad(
-        a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype, n_chunks=n_chunks
-    )
+def _(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype, n_chunks=1, b_tile_scales=False) -> torch.Tensor:
+    args = (a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype)
+    return launch_grouped_gemm_fp8_wgrad(*args, n_chunks=n_chunks, b_tile_scales=b_tile_scales)
 
 
 @_grouped_gemm_fp8_wgrad_op.register_fake
@@ -610,6 +663,7 @@ def _(
     group_end_offsets: torch.Tensor,
     out_dtype: torch.dtype,
     n_chunks: int = 1,
+    b_tile_scales: bool = False,
 ) -> torch.Tensor:
     shape = _out_shape(group_end_offsets.shape[0], a_t.shape[0], b_t.shape[0], n_chunks)
     return a_t.new_empty(shape, dtype=out_dtype)
@@ -624,20 +678,21 @@ def _grouped_gemm_fp8_wgrad_accumulate_op(
     b_t_scale: torch.Tensor,
     group_end_offsets: torch.Tensor,
     accumulate_into: torch.Tensor,
+    b_tile_scales: bool = False,
 ) -> None:
     """``accumulate_into += wgrad`` in place (a custom op may not return an alias of its input)."""
     args = (a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, accumulate_into.dtype)
-    accumulate_into.copy_(grouped_gemm_fp8_wgrad_reference(*args, accumulate_into))
+    accumulate_into.copy_(grouped_gemm_fp8_wgrad_reference(*args, accumulate_into, b_tile_scales=b_tile_scales))
 
 
 @_grouped_gemm_fp8_wgrad_accumulate_op.register_kernel("cuda")
-def _(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, accumulate_into) -> None:
+def _(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, accumulate_into, b_tile_scales=False) -> None:
     args = (a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, accumulate_into.dtype)
-    launch_grouped_gemm_fp8_wgrad(*args, accumulate_into=accumulate_into)
+    launch_grouped_gemm_fp8_wgrad(*args, accumulate_into=accumulate_into, b_tile_scales=b_tile_scales)
 
 
 @_grouped_gemm_fp8_wgrad_accumulate_op.register_fake
-def _(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, accumulate_into) -> None:
+def _(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, accumulate_into, b_tile_scales=False) -> None:
     return None
 
 
@@ -650,6 +705,7 @@ def _check_inputs(
     out_dtype: torch.dtype,
     accumulate_into: torch.Tensor | None,
     n_chunks: int,
+    b_tile_scales: bool,
 ) -> None:
     check_fp8("a_t", a_t, ndim=2)
     check_fp8("b_t", b_t, ndim=2)
@@ -689,6 +745,23 @@ def _check_inputs(
         group_end_offsets=group_end_offsets,
         accumulate_into=accumulate_into,
     )
+    if not isinstance(b_tile_scales, bool):
+        raise TypeError(f"b_tile_scales must be a bool, got {type(b_tile_scales).__name__}")
+    if b_tile_scales and validation_enabled():
+        _validate_tile_scales(b_t_scale)
+
+
+def _validate_tile_scales(b_t_scale: torch.Tensor) -> None:
+    """Raise unless every 128-column block of ``b_t_scale`` repeats its first value (reads the device)."""
+    blocks, k = b_t_scale.shape
+    tiles = b_t_scale.view(blocks, k // BLOCK, BLOCK)
+    same = (tiles == tiles[..., :1]) | (tiles.isnan() & tiles[..., :1].isnan())
+    if not bool(same.all()):
+        bad = (~same).nonzero()[0].tolist()
+        raise ValueError(
+            "b_tile_scales=True needs b_t_scale constant over each 128-column block (one scale per 128x128 "
+            f"tile); block ({bad[0]}, {bad[1]}) differs at column {bad[1] * BLOCK + bad[2]}"
+        )
 
 
 def grouped_gemm_fp8_wgrad(
@@ -700,6 +773,7 @@ def grouped_gemm_fp8_wgrad(
     out_dtype: torch.dtype | None = None,
     accumulate_into: torch.Tensor | None = None,
     n_chunks: int = 1,
+    b_tile_scales: bool = False,
 ) -> torch.Tensor:
     """Blockwise FP8 grouped weight gradient: ``out[e] = dequant(a_t)[:, rows_e] @ dequant(b_t)[:, rows_e]^T``.
 
@@ -724,19 +798,28 @@ def grouped_gemm_fp8_wgrad(
         n_chunks: store the N rows as this many equal chunks, ``[n_chunks, E, N / n_chunks, K]``
             (each chunk a multiple of 128 rows; not with ``accumulate_into``): 2 for FC1's
             ``[w1; w3]`` gradient, so that ``out.unbind(0)`` gives each weight's contiguous gradient.
+        b_tile_scales: ``b_t_scale`` holds one scale per 128 x 128 tile of ``b_t``, repeated over the
+            tile's 128 columns, as :func:`~fp8flow_ao.kernels.scaling_aware_transpose.scaling_aware_transpose`
+            writes it. The kernels then read one scale per block (the first column's) and promote each
+            partial with one multiply-add per element. The result is defined as if every column of a block
+            had its first column's scale, whatever the others hold; ``FP8FLOW_VALIDATE=1`` checks that they
+            repeat it.
 
     Returns:
         ``[E, N, K]`` (``[n_chunks, E, N / n_chunks, K]``) contiguous ``out_dtype``: fp32 accumulation, each 128-token block's partial
-        promoted by ``a_t_scale[mb, n] * b_t_scale[mb, k]``. An empty expert yields zeros (with
+        promoted by ``a_t_scale[mb, n] * b_t_scale[mb, k]`` (``b_t_scale[mb, k // 128 * 128]`` with
+        ``b_tile_scales``). An empty expert yields zeros (with
         ``accumulate_into``: leaves it unchanged); tokens at or past the last group end are never
         read. With ``accumulate_into``, that tensor itself, updated.
     """
     if out_dtype is None:
         out_dtype = accumulate_into.dtype if isinstance(accumulate_into, torch.Tensor) else torch.float32
-    _check_inputs(a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype, accumulate_into, n_chunks)
+    _check_inputs(
+        a_t, a_t_scale, b_t, b_t_scale, group_end_offsets, out_dtype, accumulate_into, n_chunks, b_tile_scales
+    )
     args = (a_t, a_t_scale, b_t, b_t_scale, group_end_offsets)
     if accumulate_into is not None:
-        torch.ops.fp8flow.grouped_gemm_fp8_wgrad_accumulate(*args, accumulate_into)
+        torch.ops.fp8flow.grouped_gemm_fp8_wgrad_accumulate(*args, accumulate_into, b_tile_scales)
         return accumulate_into
     check_no_grad("grouped_gemm_fp8_wgrad", a_t, a_t_scale, b_t, b_t_scale)
-    return torch.ops.fp8flow.grouped_gemm_fp8_wgrad(*args, out_dtype, n_chunks)
+    return torch.ops.fp8flow.grouped_gemm_fp8_wgrad(*args, out_dtype, n_chunks, b_tile_scales)
