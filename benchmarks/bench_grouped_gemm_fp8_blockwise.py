@@ -14,6 +14,11 @@
   out its way (each expert's ``[N, tokens]`` chunk flattened in turn). Layout changes are made once,
   outside the timing. Its sm90 wgrad writes fp32 ``D = C + A B`` (zero ``C`` here); ours writes bf16.
 
+Wgrad operands as the MoE layer and ``fp8_grouped_mm`` make them: dY^T quantized column-wise (one scale per
+128 tokens x 1 column), X^T re-encoded from the row-wise X by ``scaling_aware_transpose`` (one scale per
+128 x 128 tile), which ours reads one per tile (``b_tile_scales=True``); the baseline row "fp8flow op,
+per-column B scales" runs our kernel on the same data reading every column's scale (the form before).
+
 FLOPs = 2 * rows * N * K with rows = the padded rows of all groups (what every grouped method
 computes); TFLOP/s = FLOPs / time. Shapes from PERF.md: M = 16384 / 32768 routed rows, (K, N) =
 (7168, 4096), (2048, 7168), (7168, 2048), E = 8 / 32, balanced or skewed (Zipf, empty experts).
@@ -52,6 +57,7 @@ from _bench import balanced_counts, bench_us, import_deep_gemm, require_cuda, ro
 
 from fp8flow_ao._format import BLOCK, quantize_rows_reference  # noqa: E402
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128_reference  # noqa: E402
+from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose  # noqa: E402
 
 DEFAULT_CASES = [  # (M, K, N, E, routing)
     (16384, 7168, 4096, 8, "balanced"),
@@ -92,13 +98,15 @@ def make_problem(m: int, k: int, n: int, e: int, routing: str) -> dict:
     p["dy8"], p["dys"] = quantize_rows_reference(dy, BLOCK)
     p["w8"], p["ws"], p["wt8"], p["wts"] = quantize_128x128_reference(w)  # dgrad takes the exact transpose
     p["dyt8"], p["dyts"] = column_wise(dy)
-    p["xt8"], p["xts"] = column_wise(x)
+    # X^T as the layer re-encodes it: one scale per 128x128 tile (the wgrad's b_tile_scales)
+    p["xt8"], p["xts"] = scaling_aware_transpose(p["x8"], p["xs"], offs)
     return p
 
 
-def ours(p: dict, which: str, config=None, kernel: str = "op") -> tuple[Callable, tuple]:
+def ours(p: dict, which: str, config=None, kernel: str = "op", b_tile_scales: bool = True) -> tuple[Callable, tuple]:
     """The op's CUDA kernel (sm90 Gluon on Hopper); ``kernel="triton"`` our tl.dot kernel, autotuned;
-    with ``config``, the kernel that config is for, pinned."""
+    with ``config``, the kernel that config is for, pinned. Wgrad reads X^T's scales one per tile
+    (``b_tile_scales``, as the layer does) unless told otherwise."""
     import triton
 
     from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as fwd
@@ -111,6 +119,7 @@ def ours(p: dict, which: str, config=None, kernel: str = "op") -> tuple[Callable
             wgrad.launch_grouped_gemm_fp8_wgrad_triton,
         )
         args = (p["dyt8"], p["dyts"], p["xt8"], p["xts"], p["offs"], torch.bfloat16)
+        op, sm90, tl_dot = (functools.partial(f, b_tile_scales=b_tile_scales) for f in (op, sm90, tl_dot))
     else:
         op, sm90, tl_dot = (
             fwd.launch_grouped_gemm_fp8_blockwise,
@@ -130,6 +139,12 @@ def ours(p: dict, which: str, config=None, kernel: str = "op") -> tuple[Callable
 def ours_triton(p: dict, which: str) -> tuple[Callable, tuple]:
     """Our Triton (tl.dot) kernel, autotuned: the previous version, for the speed-up of the sm90 kernel."""
     return ours(p, which, kernel="triton")
+
+
+def ours_per_column_scales(p: dict, which: str) -> tuple[Callable, tuple]:
+    """Wgrad only: our kernel on the same operands, reading X^T's scales column by column (the form before
+    ``b_tile_scales``): what one scale per tile saves."""
+    return ours(p, which, b_tile_scales=False)
 
 
 def bf16_grouped(p: dict, which: str) -> tuple[Callable, tuple]:
@@ -238,12 +253,14 @@ def deepgemm_grouped(deep_gemm, p: dict, which: str) -> tuple[Callable, tuple]:
 
 BASELINES = {
     "fp8flow Triton tl.dot kernel": ours_triton,
+    "fp8flow op, per-column B scales (b_tile_scales=False)": ours_per_column_scales,
     "bf16 torch._grouped_mm": bf16_grouped,
     "fp8 row-wise torch._scaled_grouped_mm": fp8_rowwise_grouped,
     "cuBLAS dense blockwise F.scaled_mm": cublas_dense_blockwise,
     "torchao Triton dense blockwise": torchao_dense_blockwise,
 }
 PASSES = ("forward", "dgrad", "wgrad")
+WGRAD_ONLY = ("fp8flow op, per-column B scales (b_tile_scales=False)",)
 
 
 def pass_dims(p: dict, which: str) -> tuple[int, int]:
@@ -274,6 +291,8 @@ def run_cases(cases, passes, baselines: dict[str, Callable]) -> list[dict]:
                 raise RuntimeError(f"{case}: {err}")
             print(f"{case}: ours {ours_us:.1f} us, {flops / ours_us / 1e6:.0f} TFLOP/s", flush=True)
             for name, make in baselines.items():
+                if name in WGRAD_ONLY and which != "wgrad":
+                    continue
                 base_us, err = time_it(make, p, which)
                 extra = {"baseline_tflops": None if base_us is None else round(flops / base_us / 1e6, 1)}
                 rows_out.append(
@@ -297,14 +316,18 @@ def run_sweep(passes: list[str]) -> list[dict]:
         for which, configs in ((w, per_pass[w]) for w in passes):
             nn, kk = pass_dims(p, which)
             flops = 2 * p["rows"] * nn * kk
-            for cfg in configs:
-                fn, args = ours(p, which, config=cfg)
+            # wgrad: each config with X^T's scales read one per tile (the op's form) and column by column
+            forms = (True, False) if which == "wgrad" else (True,)
+            for cfg, tile_scales in itertools.product(configs, forms):
+                fn, args = ours(p, which, config=cfg, b_tile_scales=tile_scales)
                 us = bench_us(fn, [args])
                 name = (
                     str(cfg)
                     if not hasattr(cfg, "kwargs")
                     else f"triton {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}"
                 )
+                if which == "wgrad":
+                    name += " b_tile_scales" if tile_scales else " per-column B scales"
                 print(f"{which} M={m} K={k} N={n} E={e}: {name}: {flops / us / 1e6:.0f} TFLOP/s", flush=True)
                 rows_out.append(
                     row(f"{which} M={m} K={k} N={n} E={e} {routing}", us, "-", None, flops=flops, config=name)
