@@ -96,13 +96,16 @@ class Sm90Config:
 
 
 @gluon.jit
-def sm90_mma(a_bufs, b_bufs, s, layout: gl.constexpr, WG: gl.constexpr, HALF: gl.constexpr):
+def sm90_mma(a_bufs, b_bufs, s, layout: gl.constexpr, WG: gl.constexpr, HALF: gl.constexpr, into=None):
     """Start (asynchronously) the MMA of this warpgroup's 64 rows of ring slot ``s``'s A tile by the
-    128 rows ``[128 HALF, 128 HALF + 128)`` of its B tile, over one 128-wide reduction block."""
+    128 rows ``[128 HALF, 128 HALF + 128)`` of its B tile, over one 128-wide reduction block. ``into``: a
+    dead partial whose registers the result takes (its values are not read)."""
     a = a_bufs.index(s).slice(WG * WG_ROWS, WG_ROWS)
     b = b_bufs.index(s).slice(HALF * SM90_BLOCK, SM90_BLOCK).permute((1, 0))
     # use_acc=False: the accumulator operand is a placeholder (no zeros are held across the loop).
-    return warpgroup_mma(a, b, gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, layout), use_acc=False, is_async=True)
+    if into is None:
+        into = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, layout)
+    return warpgroup_mma(a, b, into, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -137,13 +140,13 @@ def sm90_first_mma(a_bufs, b_bufs, ready, turn, it, layout: gl.constexpr, WG: gl
 
 
 @gluon.jit
-def sm90_second_mma(a_bufs, b_bufs, s, first_acc, layout: gl.constexpr, WG: gl.constexpr):
+def sm90_second_mma(a_bufs, b_bufs, s, first_acc, layout: gl.constexpr, WG: gl.constexpr, into=None):
     """Start ring slot ``s``'s second MMA (B half 1) once ``first_acc``, the accumulator the first
     half was just promoted into, exists; returns ``(first_acc, token)``. Threading ``first_acc``
     through a wait keeps ptxas from hoisting this MMA above that promotion, which would hold both
     partials live (256 registers: spills)."""
     first_acc = warpgroup_mma_wait(0, deps=(first_acc,))
-    return first_acc, sm90_mma(a_bufs, b_bufs, s, layout, WG, 1)
+    return first_acc, sm90_mma(a_bufs, b_bufs, s, layout, WG, 1, into)
 
 
 @gluon.jit

@@ -291,12 +291,10 @@ def sm90_wgrad_default_config(k: int, accumulate: bool = False, b_tile_scales: b
     (``accumulate``): a consumer's one half then has its stored values loaded under the reduction,
     where a 128x256 tile's second half waits for its load after the first half's store (H200, the
     nine shapes of ``grouped_gemm_notes.md``'s session 22: bf16 gradients 0.2-4.9% faster than
-    128x256, fp32 -3.5% to +2.4%). With ``b_tile_scales`` 128x128 too: its consumer needs 128 registers
-    of accumulator and partial and no per-column scales, where ptxas (triton 3.6 and 3.9) spills ~160
-    values a thread in the 128x256 form's loop (two partials in different register ranges besides the
-    two accumulators): H200 sweep (``grouped_gemm_fp8_blockwise_sweep.md``, 2026-11-27, the three anchor
-    shapes), 935-1008 TFLOP/s at 128x128 against 784-857 at 128x256 and 808-860 per-column."""
-    return SM90_WGRAD_CONFIGS[0] if k % 256 == 0 and not (accumulate or b_tile_scales) else SM90_WGRAD_CONFIGS[1]
+    128x256, fp32 -3.5% to +2.4%). ``b_tile_scales`` keeps the rule: with one B scale per half and the
+    second partial in the first's registers, 128x256 ordered ran 979-1055 TFLOP/s against 908-982 at
+    128x128 (H200, ``grouped_gemm_fp8_blockwise_sweep.md``, 2026-11-27, the three anchor shapes)."""
+    return SM90_WGRAD_CONFIGS[0] if k % 256 == 0 and not accumulate else SM90_WGRAD_CONFIGS[1]
 
 
 @gluon.jit
@@ -433,7 +431,10 @@ def _wgrad_consumer(
                 mbarrier.arrive(empty.index(s), count=1)
             acc0 = _promote(acc0, part, sa, sb, B_TILE_SCALES)
             if HALVES == 2:
-                acc0, part = sm90_second_mma(a_bufs, b_bufs, s, acc0, mma, WG)
+                # With tile scales the second partial takes the first's registers (ptxas otherwise puts it
+                # in a second range: 236 registers with both accumulators, and spills); per-column scales
+                # hold 32 more registers, where reusing spills more than it saves.
+                acc0, part = sm90_second_mma(a_bufs, b_bufs, s, acc0, mma, WG, part if B_TILE_SCALES else None)
                 sb = _column_scales(sb_bufs, s, 1, cols_layout, B_TILE_SCALES)
                 part = warpgroup_mma_wait(0, deps=(part,))
                 mbarrier.arrive(empty.index(s), count=1)
