@@ -374,17 +374,24 @@ def step_cached_weights(
     into its own tensors, so they keep their addresses for as long as the weights keep their shapes, and
     each is marked with ``torch._dynamo.mark_static_address(guard=False)``: a graph reads them where they
     are instead of copying them into its input buffers on every replay (the weights' bytes again), and
-    records anew (no recompile) only if an address does change."""
+    records anew (no recompile) only if an address does change. The tiles are marked when they are made or
+    remade (once per optimizer step), not on every lookup: a hit is the hot path of a host-bound step."""
     if mode != "step" or torch.compiler.is_compiling():
         return NOTHING
-    refresh = (lambda old: _both_orientations(w1, w2, w3, out=old)) if static_addresses else None
-    with torch.no_grad():  # FP8 tiles are constants to the layer's autograd graph
-        tiles = EXPERT_WEIGHT_CACHE.get((w1, w2, w3), lambda: _both_orientations(w1, w2, w3), refresh)
+    produce, refresh = (lambda: _both_orientations(w1, w2, w3)), None
     if static_addresses:
-        from torch._dynamo import mark_static_address  # only here: the module loads most of the compiler
+        produce = lambda: _marked_static(_both_orientations(w1, w2, w3))  # noqa: E731
+        refresh = lambda old: _marked_static(_both_orientations(w1, w2, w3, out=old))  # noqa: E731
+    with torch.no_grad():  # FP8 tiles are constants to the layer's autograd graph
+        return EXPERT_WEIGHT_CACHE.get((w1, w2, w3), produce, refresh)
 
-        for t in tiles:
-            mark_static_address(t, guard=False)
+
+def _marked_static(tiles: ExpertWeightsFP8) -> ExpertWeightsFP8:
+    """``tiles``, each marked ``mark_static_address(guard=False)`` (see :func:`step_cached_weights`)."""
+    from torch._dynamo import mark_static_address  # only here: the module loads most of the compiler
+
+    for t in tiles:
+        mark_static_address(t, guard=False)
     return tiles
 
 
