@@ -149,14 +149,25 @@ def padded_ends(counts: list[int]) -> list[int]:
 
 
 _BUILD_EVERY_SM90_CONFIG = """
-import json, torch
+import json, os, subprocess, tempfile, torch, triton
 from fp8flow_ao.kernels import _sm90_common as common, {module} as mod
+
+def local_memory_instructions(cubin):
+    # ptxas's spills: loads and stores of thread-local memory in the SASS (Triton's own cuobjdump)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return sum(word.split(".")[0] in ("LDL", "STL") for word in sass.split())
+
 built = []
 for config in mod.{configs}:
     for out_dtype in (torch.bfloat16, torch.float32):
         if mod.sm90_smem_bytes(config, out_dtype{smem_extra}) <= common.SM90_SMEM_BYTES:
             kernel = mod.{builder}(config, out_dtype{extra})
-            built.append([str(config), str(out_dtype), kernel.metadata.shared, len(kernel.asm["cubin"])])
+            cubin = kernel.asm["cubin"]
+            built.append([str(config), str(out_dtype), kernel.metadata.shared, len(cubin), local_memory_instructions(cubin)])
 print(json.dumps(built))
 """
 
@@ -167,7 +178,7 @@ def build_every_sm90_config(
     """Compile ``fp8flow_ao.kernels.<module>.<builder>(config, out_dtype, <extra>)`` for sm_90a for every
     config in ``<configs>`` and both output dtypes that fit (``<module>.sm90_smem_bytes(config, out_dtype,
     <smem_extra>)``);
-    ``[config, dtype, shared bytes, cubin bytes]`` per build. In a fresh process: under TRITON_INTERPRET=1 (the suite without a GPU)
+    ``[config, dtype, shared bytes, cubin bytes, local-memory instructions (spills) in its SASS]`` per build. In a fresh process: under TRITON_INTERPRET=1 (the suite without a GPU)
     Triton's own reduction helpers are interpreter functions, which the Gluon compiler refuses."""
     code = _BUILD_EVERY_SM90_CONFIG.format(
         module=module,

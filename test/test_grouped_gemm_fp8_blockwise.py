@@ -260,7 +260,9 @@ def test_sm90_fp8_transpose_b_builds_for_hopper():
         smem_extra="torch.float8_e4m3fn, True",
     )
     assert built, "no config fits"
-    for config, out_dtype, shared, cubin_bytes in built:
+    # Spills not checked: its transposing partitions spill one value a tile (triton 3.6's ptxas; 3.9's, ~50
+    # local-memory instructions in all), grouped_gemm_notes.md session 25.
+    for config, out_dtype, shared, cubin_bytes, _ in built:
         assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
 
 
@@ -363,7 +365,7 @@ def test_sm90_high_precision_b_builds_for_hopper(w_dtype, transpose_b, keep_b):
         smem_extra=f"torch.{str(w_dtype).split('.')[1]}",
     )
     assert built, "no config fits"
-    for config, out_dtype, shared, cubin_bytes in built:
+    for config, out_dtype, shared, cubin_bytes, _ in built:
         assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
 
 
@@ -478,8 +480,11 @@ def test_sm90_kernel_builds_for_hopper():
     built = build_every_sm90_config("grouped_gemm_fp8_blockwise", "SM90_CONFIGS", "build_sm90_kernel")
     fitting = [c for c in mod.SM90_CONFIGS for d in OUT_DTYPES if mod.sm90_smem_bytes(c, d) <= SM90_SMEM_BYTES]
     assert len(built) == len(fitting) >= len(mod.SM90_CONFIGS)
-    for config, out_dtype, shared, cubin_bytes in built:
+    for config, out_dtype, shared, cubin_bytes, spills in built:
         assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
+        # ptxas keeps every config in registers (a 128x256 tile's second partial takes the first's:
+        # it spilled a value a reduction block before)
+        assert spills == 0, (config, out_dtype, spills)
 
 
 @pytest.mark.parametrize(

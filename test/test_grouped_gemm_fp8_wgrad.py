@@ -287,8 +287,12 @@ def test_sm90_kernel_builds_for_hopper(accumulate, b_tile_scales):
     )
     fitting = [c for c in mod.SM90_WGRAD_CONFIGS for d in OUT_DTYPES if mod.sm90_smem_bytes(c, d) <= SM90_SMEM_BYTES]
     assert len(built) == len(fitting) >= len(mod.SM90_WGRAD_CONFIGS)
-    for config, out_dtype, shared, cubin_bytes in built:
+    for config, out_dtype, shared, cubin_bytes, spills in built:
         assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
+        # No ptxas spill in any config the op picks: every one with per-tile B scales, 128x128 with
+        # per-column ones (their 128x256 form spills: sm90_wgrad_default_config leaves it out).
+        if b_tile_scales or "block_n=128" in config:
+            assert spills == 0, (config, out_dtype, spills)
 
 
 @pytest.mark.parametrize(
@@ -303,13 +307,15 @@ def test_sm90_refuses_bad_configs(k, config, match):
 
 def test_sm90_default_config_fits_and_prefers_wide_tiles():
     for k in (128, 384, 256, 7168):
-        config = mod.sm90_wgrad_default_config(k)
+        config = mod.sm90_wgrad_default_config(k, b_tile_scales=True)
         assert k % config.block_n == 0 and config in mod.SM90_WGRAD_CONFIGS
         assert config.block_n == (256 if k % 256 == 0 else 128)
         assert all(mod.sm90_smem_bytes(config, d) <= SM90_SMEM_BYTES for d in OUT_DTYPES)
         # Accumulating: one 128-wide half per consumer, whose stored values load under the reduction.
-        assert mod.sm90_wgrad_default_config(k, accumulate=True) == Sm90Config(128, 4, 16)
-        assert mod.sm90_wgrad_default_config(k, b_tile_scales=True) == config
+        for b_tile_scales in (False, True):
+            assert mod.sm90_wgrad_default_config(k, True, b_tile_scales) == Sm90Config(128, 4, 16)
+        # Per-column B scales: 128x128 (at 128x256 their scale vectors make ptxas spill).
+        assert mod.sm90_wgrad_default_config(k) == Sm90Config(128, 4, 16)
 
 
 @pytest.mark.skipif(conftest.IS_HOPPER, reason="checks the refusal off Hopper")

@@ -389,9 +389,9 @@ def launch_grouped_gemm_fp8_blockwise_triton(
 # Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200); the first two
 # are the defaults (sm90_default_config).
 SM90_CONFIGS = [
-    Sm90Config(256, 3, 16, ordered=True),
-    Sm90Config(128, 4, 8),
     Sm90Config(256, 3, 16),
+    Sm90Config(128, 4, 8),
+    Sm90Config(256, 3, 16, ordered=True),
     Sm90Config(256, 4, 8),
     Sm90Config(128, 4, 8, ordered=True),
 ]
@@ -662,7 +662,9 @@ def _sm90_consumer(
                 mbarrier.arrive(empty.index(s), count=1)
             acc0 = part * (sa * sb0)[:, None] + acc0
             if HALVES == 2:
-                acc0, part = sm90_second_mma(a_bufs, b_bufs, s, acc0, mma, WG)
+                # Into the first partial's registers (dead once promoted): ptxas then keeps one partial
+                # range and spills nothing (it spilled a 64-bit value a block, 16 spill instructions).
+                acc0, part = sm90_second_mma(a_bufs, b_bufs, s, acc0, mma, WG, part)
                 part = warpgroup_mma_wait(0, deps=(part,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = part * (sa * sb1)[:, None] + acc1
@@ -897,8 +899,10 @@ def sm90_default_config(
     """The config the op runs with for ``N`` output columns: a fixed rule from the sweep, no timing at
     run time (so nothing re-tunes when routing changes M). FP8 B: 128x256 tiles where N allows (a quarter
     less L2->SM traffic per FLOP than 128x128: +3-7% on the anchor shapes), 3 stages (4 measured
-    the same, and 3 leave room for fp32 output: both output dtypes fit), consumers ordered (+1-7% at 128x256 on all six
-    anchor cases; -1-5% at 128x128); 128x128 tiles, unordered, otherwise. A B the kernel prepares
+    the same or slower, and 3 leave room for fp32 output: both output dtypes fit), consumers unordered:
+    since the second half's MMA writes into the first half's partial (no spill), ordered consumers lose
+    1-4% on all six anchor cases (H200 sweep, 2026-11-27; before that fix they won 1-7%, 2026-11-22);
+    128x128 tiles, unordered, otherwise. A B the kernel prepares
     (high precision, quantized; or FP8 with ``transpose_b``, transposed): 128x128 tiles (a tile is one
     weight block) and as many stages as fit, up to 4."""
     if b_dtype == FP8_DTYPE and not transpose_b:
