@@ -663,7 +663,8 @@ def _sm90_consumer(
             acc0 = part * (sa * sb0)[:, None] + acc0
             if HALVES == 2:
                 # Into the first partial's registers (dead once promoted): ptxas then keeps one partial
-                # range and spills nothing (it spilled a 64-bit value a block, 16 spill instructions).
+                # range and spills nothing (with a fresh placeholder it moved a 64-bit value through
+                # local memory every block).
                 acc0, part = sm90_second_mma(a_bufs, b_bufs, s, acc0, mma, WG, part)
                 part = warpgroup_mma_wait(0, deps=(part,))
                 mbarrier.arrive(empty.index(s), count=1)

@@ -293,8 +293,8 @@ def sm90_wgrad_default_config(k: int, accumulate: bool = False, b_tile_scales: b
     nine shapes of ``grouped_gemm_notes.md``'s session 22: bf16 gradients 0.2-4.9% faster than
     128x256, fp32 -3.5% to +2.4%). 128x256 only with ``b_tile_scales``: with one B scale per half and the
     second partial in the first's registers, 128x256 ordered ran 979-1055 TFLOP/s against 908-982 at
-    128x128; with per-column B scales its 32 more live registers make ptxas spill (35-81 local-memory
-    instructions, triton 3.9) and 128x128 ran 798-854 TFLOP/s against its 732-857 (H200,
+    128x128; with per-column B scales its 32 more live registers make ptxas spill (19-81 local-memory
+    instructions, triton 3.6-3.9) and 128x128 ran 798-854 TFLOP/s against its 732-857 (H200,
     ``grouped_gemm_fp8_blockwise_sweep.md``, 2026-11-27, the three anchor shapes)."""
     wide = k % 256 == 0 and not accumulate and b_tile_scales
     return SM90_WGRAD_CONFIGS[0] if wide else SM90_WGRAD_CONFIGS[1]
