@@ -378,21 +378,19 @@ def step_cached_weights(
     remade (once per optimizer step), not on every lookup: a hit is the hot path of a host-bound step."""
     if mode != "step" or torch.compiler.is_compiling():
         return NOTHING
-    produce, refresh = (lambda: _both_orientations(w1, w2, w3)), None
-    if static_addresses:
-        produce = lambda: _marked_static(_both_orientations(w1, w2, w3))  # noqa: E731
-        refresh = lambda old: _marked_static(_both_orientations(w1, w2, w3, out=old))  # noqa: E731
+
+    def make(old: ExpertWeightsFP8 | None = None) -> ExpertWeightsFP8:
+        """New tiles (``old`` None: the cache's ``produce``), or ``old``'s rewritten (its ``refresh``)."""
+        tiles = _both_orientations(w1, w2, w3, out=old)
+        if static_addresses:
+            from torch._dynamo import mark_static_address  # only here: the module loads most of the compiler
+
+            for t in tiles:
+                mark_static_address(t, guard=False)
+        return tiles
+
     with torch.no_grad():  # FP8 tiles are constants to the layer's autograd graph
-        return EXPERT_WEIGHT_CACHE.get((w1, w2, w3), produce, refresh)
-
-
-def _marked_static(tiles: ExpertWeightsFP8) -> ExpertWeightsFP8:
-    """``tiles``, each marked ``mark_static_address(guard=False)`` (see :func:`step_cached_weights`)."""
-    from torch._dynamo import mark_static_address  # only here: the module loads most of the compiler
-
-    for t in tiles:
-        mark_static_address(t, guard=False)
-    return tiles
+        return EXPERT_WEIGHT_CACHE.get((w1, w2, w3), make, make if static_addresses else None)
 
 
 def weights_for_forward(
