@@ -7,6 +7,7 @@ from __future__ import annotations
 import conftest
 import pytest
 import torch
+import triton
 from conftest import DEVICE
 from fp8_helpers import GEMM_TOLERANCE as TOLERANCE
 from fp8_helpers import assert_fp8_equal, assert_scales_equal, build_every_sm90_config, padded_ends
@@ -260,10 +261,12 @@ def test_sm90_fp8_transpose_b_builds_for_hopper():
         smem_extra="torch.float8_e4m3fn, True",
     )
     assert built, "no config fits"
-    # Spills not checked: its transposing partitions spill one value a tile (triton 3.6's ptxas; 3.9's, ~50
-    # local-memory instructions in all), grouped_gemm_notes.md session 25.
-    for config, out_dtype, shared, cubin_bytes, _ in built:
+    # Spills: none with triton 3.6's ptxas (the GPU image's) at SM90_REGS_FP8_TRANSPOSED; newer ones spill a
+    # few instructions there (3.9: 4-12), bounded here so that a register split that spills in the loop shows.
+    most = 0 if triton.__version__.startswith("3.6.") else 16
+    for config, out_dtype, shared, cubin_bytes, spills in built:
         assert shared <= SM90_SMEM_BYTES and cubin_bytes > 0, (config, out_dtype, shared)
+        assert spills <= most, (config, out_dtype, spills)
 
 
 def make_hp_weights(e: int, n: int, k: int, dtype: torch.dtype, device: str = DEVICE, edge: bool = False):
@@ -493,6 +496,8 @@ def test_sm90_kernel_builds_for_hopper():
         (128, Sm90Config(stages=7), "shared memory"),
         (384, Sm90Config(256, 3), "divide the output width"),
         (256, Sm90Config(64), "128"),
+        (256, Sm90Config(128, out_buffers=2), "out_buffers"),
+        (256, Sm90Config(256, out_buffers=3), "out_buffers"),
     ],
 )
 def test_sm90_refuses_bad_configs(n, config, match):
@@ -505,9 +510,11 @@ def test_sm90_refuses_bad_configs(n, config, match):
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
 def test_sm90_default_config_fits_and_prefers_wide_tiles(out_dtype):
     for n in (128, 384, 256, 7168):
-        config = mod.sm90_default_config(n)
+        config = mod.sm90_default_config(n, out_dtype=out_dtype)
         assert n % config.block_n == 0 and mod.sm90_smem_bytes(config, out_dtype) <= SM90_SMEM_BYTES
         assert config.block_n == (256 if n % 256 == 0 else 128) and config in mod.SM90_CONFIGS
+        # a staging buffer per half of a 128x256 tile where it fits (bf16 out)
+        assert config.out_buffers == (2 if config.block_n == 256 and out_dtype == torch.bfloat16 else 1)
 
 
 @pytest.mark.skipif(conftest.IS_HOPPER, reason="checks the refusal off Hopper")

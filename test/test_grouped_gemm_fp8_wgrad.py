@@ -297,7 +297,11 @@ def test_sm90_kernel_builds_for_hopper(accumulate, b_tile_scales):
 
 @pytest.mark.parametrize(
     ("k", "config", "match"),
-    [(256, Sm90Config(128, 6), "shared memory"), (384, Sm90Config(256, 2), "divide the output width")],
+    [
+        (256, Sm90Config(128, 6), "shared memory"),
+        (384, Sm90Config(256, 2), "divide the output width"),
+        (256, Sm90Config(256, 2, out_buffers=2), "one buffer per consumer"),
+    ],
 )
 def test_sm90_refuses_bad_configs(k, config, match):
     args = make_operands([128], 128, k)

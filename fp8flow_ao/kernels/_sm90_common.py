@@ -81,17 +81,21 @@ class Sm90Config:
     the other operand's tiles), ``ordered``: consumer 1 issues a block's MMA only after consumer 0
     issued its own, so the tensor cores finish consumer 0's first and its promotion runs under
     consumer 1's MMA (without it both may be released by the same ``ready`` flip, multiply
-    interleaved, and promote at the same time while the tensor cores idle)."""
+    interleaved, and promote at the same time while the tensor cores idle). ``out_buffers``
+    (forward/dgrad kernel, 128x256 tiles): output staging tiles per consumer; with 2, a tile's second
+    half is written to shared memory while the first half's TMA store may still be reading its own, so
+    the epilogue never waits on a store it just issued (1: it waits once per tile)."""
 
     block_n: int = 128
     stages: int = 4
     group_m: int = 8
     ordered: bool = False
+    out_buffers: int = 1
 
     def smem_bytes(self, out_dtype: torch.dtype, scale_bytes_per_stage: int = 0) -> int:
-        """Shared memory of one CTA: the operand ring (plus any scales carried in it) and two
-        64x128 output staging tiles."""
-        out_bytes = 2 * 64 * BLOCK * out_dtype.itemsize
+        """Shared memory of one CTA: the operand ring (plus any scales carried in it) and the two
+        consumers' 64x128 output staging tiles (``out_buffers`` each)."""
+        out_bytes = 2 * self.out_buffers * 64 * BLOCK * out_dtype.itemsize
         return self.stages * ((BLOCK + self.block_n) * BLOCK + scale_bytes_per_stage) + out_bytes
 
 
@@ -150,17 +154,23 @@ def sm90_second_mma(a_bufs, b_bufs, s, first_acc, layout: gl.constexpr, WG: gl.c
 
 
 @gluon.jit
-def sm90_store_halves(out_desc, out_s, acc0, acc1, row, col, HALVES: gl.constexpr):
-    """TMA-store a tile's one or two 64x128 halves (``acc1`` only when ``HALVES == 2``)."""
-    sm90_store(out_desc, out_s, acc0, row, col)
+def sm90_store_halves(out_desc, out_s0, out_s1, acc0, acc1, row, col, HALVES: gl.constexpr, PENDING: gl.constexpr):
+    """TMA-store a tile's one or two 64x128 halves (``acc1`` only when ``HALVES == 2``) through this
+    warpgroup's staging buffers, half ``h`` through ``out_s<h>``: one buffer (``PENDING`` 0: each
+    store waits for the previous one to have left it) or two used in turn (``PENDING`` 1: each store
+    waits only for the one before the previous, which read the same buffer; stores complete in order)."""
+    gl.static_assert(PENDING == 0 or HALVES == 2, "two staging buffers serve the two halves of a 128x256 tile")
+    sm90_store(out_desc, out_s0, acc0, row, col, PENDING)
     if HALVES == 2:
-        sm90_store(out_desc, out_s, acc1, row, col + SM90_BLOCK)
+        sm90_store(out_desc, out_s1, acc1, row, col + SM90_BLOCK, PENDING)
 
 
 @gluon.jit
-def sm90_store(out_desc, out_s, tile, row, col):
-    """TMA-store a 64x128 tile through this warpgroup's staging buffer (after its previous store left)."""
-    tma.store_wait(0)
+def sm90_store(out_desc, out_s, tile, row, col, pending: gl.constexpr = 0):
+    """TMA-store a 64x128 tile through the staging buffer ``out_s`` once at most ``pending`` of this
+    warpgroup's stores are still reading their buffers (0: its previous store has left; 1 with two
+    buffers used in turn: the one before it, which read ``out_s``, has)."""
+    tma.store_wait(pending)
     out_s.store(tile.to(out_desc.dtype))
     fence_async_shared()
     tma_store(out_desc, [row, col], out_s)
@@ -192,6 +202,8 @@ def check_sm90_launch(device: torch.device, config: Sm90Config, n: int, out_dtyp
     shared memory (``smem`` bytes, the op's ``sm90_smem_bytes``) does not fit, a device without wgmma."""
     if config.block_n not in (128, 256) or n % config.block_n:
         raise ValueError(f"{config}: block_n must be 128 or 256 and divide the output width {n}")
+    if config.out_buffers != 1 and (config.out_buffers != 2 or config.block_n != 256):
+        raise ValueError(f"{config}: out_buffers must be 1, or 2 with block_n=256 (one staging buffer per half)")
     if smem > SM90_SMEM_BYTES:
         raise ValueError(
             f"{config} needs {smem} bytes of shared memory with {out_dtype} out, more than Hopper's {SM90_SMEM_BYTES}"

@@ -96,7 +96,6 @@ from fp8flow_ao.kernels._sm90_common import (
     sm90_or,
     sm90_ring_barriers,
     sm90_second_mma,
-    sm90_store,
     sm90_store_halves,
     tma_load,
     tma_store,
@@ -386,11 +385,12 @@ def launch_grouped_gemm_fp8_blockwise_triton(
 # ---------------------------------------------------------------------------------------------
 # sm90: the warp-specialized Gluon kernel.
 
-# Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200); the first two
+# Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200); the first three
 # are the defaults (sm90_default_config).
 SM90_CONFIGS = [
-    Sm90Config(256, 3, 16),
+    Sm90Config(256, 3, 16, out_buffers=2),
     Sm90Config(128, 4, 8),
+    Sm90Config(256, 3, 16),
     Sm90Config(256, 3, 16, ordered=True),
     Sm90Config(256, 4, 8),
     Sm90Config(128, 4, 8, ordered=True),
@@ -623,7 +623,10 @@ def _sm90_consumer(
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SM90_BLOCK, 32]
     )
-    out_s = out_bufs.index(WG)
+    # This warpgroup's staging buffers: one, or one per half of a 128x256 tile (Sm90Config.out_buffers).
+    BUFS: gl.constexpr = out_bufs.type.shape[0] // 2
+    out_s0 = out_bufs.index(WG * BUFS)
+    out_s1 = out_bufs.index(WG * BUFS + BUFS - 1)
     live_m, num_m, num_n = _sm90_tiles(ends_ptr, M, N, E, BLOCK_N)
     k_blocks = K // SM90_BLOCK
     it = 0
@@ -674,13 +677,12 @@ def _sm90_consumer(
                 sb0 = sb0_next
                 sb1 = sb1_next
             it += 1
-        sm90_store_halves(out_desc, out_s, acc0, acc1, m0, pid_n * BLOCK_N, HALVES)
+        sm90_store_halves(out_desc, out_s0, out_s1, acc0, acc1, m0, pid_n * BLOCK_N, HALVES, BUFS - 1)
     # Tiles at or past the last group end: zeros, so the whole output is defined; nothing is read.
     zero = gl.zeros([WG_ROWS, SM90_BLOCK], out_desc.dtype, mma)
     for tile in range(live_m * num_n + gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        for half in gl.static_range(HALVES):
-            col = (tile % num_n) * BLOCK_N + half * SM90_BLOCK
-            sm90_store(out_desc, out_s, zero, (tile // num_n) * SM90_BLOCK + WG * WG_ROWS, col)
+        row = (tile // num_n) * SM90_BLOCK + WG * WG_ROWS
+        sm90_store_halves(out_desc, out_s0, out_s1, zero, zero, row, (tile % num_n) * BLOCK_N, HALVES, BUFS - 1)
     tma.store_wait(0)
 
 
@@ -706,6 +708,7 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     ORDERED: gl.constexpr,
+    OUT_BUFFERS: gl.constexpr,
     QUANTIZE_B: gl.constexpr,
     TRANSPOSE_B: gl.constexpr,
     KEEP_B: gl.constexpr,
@@ -730,7 +733,7 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2 * OUT_BUFFERS] + out_desc.block_type.shape, out_desc.layout)
     # With KEEP_B the quantizer releases each slot too, once its kept tile's TMA store has read it.
     ready, empty, turn = sm90_ring_barriers(STAGES, 3 if KEEP_B else 2)
     ring = (a_bufs, b_bufs, ready, empty, turn)
@@ -865,11 +868,14 @@ def _grouped_gemm_fp8_blockwise_sm90_kernel(
 # registers (64 per thread), an fp32 one takes 128. ptxas (triton 3.6, sm_90a) spills nothing at these
 # (fp32 at 168 / 136: 44 bytes). Eight quantizer warps (half a tile each) spill 64-320 bytes at every split
 # tried (consumers 144-168 / quantizer 64-88), so there is no 8-warp entry. An FP8 weight transposed in the
-# kernel: 128x128 tiles as for bf16, and the transposing warpgroup holds a 16 KiB tile (32 per thread).
-# One warpgroup quantizes or transposes (see SM90_REGS).
+# kernel: 128x128 tiles as for bf16, two transposing warpgroups taking turns, each holding a 16 KiB tile
+# (32 per thread): 176 / 56, where triton 3.6's ptxas spills nothing (at 168 / 64 it moved one value a tile
+# through local memory, at 160 / 72 and 152 / 80 more; 3.9's spills 4-12 instructions at 176 / 56, ~50 at
+# 168 / 64) and the dgrad took 1.4-2.8% less time than at 168 / 64 (H200 A/B on four fine-grained shapes,
+# 2026-11-27, same bits). One warpgroup quantizes (see SM90_REGS).
 QUANTIZER_WARPS = 4
 SM90_REGS = {FP8_DTYPE: (232, 0), torch.bfloat16: (184, 104), torch.float32: (160, 152)}
-SM90_REGS_FP8_TRANSPOSED = (168, 64)
+SM90_REGS_FP8_TRANSPOSED = (176, 56)
 
 
 def _sm90_regs(b_dtype: torch.dtype, transpose_b: bool) -> tuple[int, int]:
@@ -902,12 +908,18 @@ def sm90_default_config(
     less L2->SM traffic per FLOP than 128x128: +3-7% on the anchor shapes), 3 stages (4 measured
     the same or slower, and 3 leave room for fp32 output: both output dtypes fit), consumers unordered:
     since the second half's MMA writes into the first half's partial (no spill), ordered consumers lose
-    1-4% on all six anchor cases (H200 sweep, 2026-11-27; before that fix they won 1-7%, 2026-11-22);
+    1-4% on all six anchor cases (H200 sweep, 2026-11-27; before that fix they won 1-7%, 2026-11-22),
+    and one output staging buffer per half where the output dtype leaves room (bf16: 208 KiB; fp32 does
+    not fit): the second half no longer waits for the first half's store, 0.2-2.7% less time on all 12
+    forward and dgrad rows of the six shapes (median 0.6%, same bits; H200 A/B, 2026-11-27);
     128x128 tiles, unordered, otherwise. A B the kernel prepares
     (high precision, quantized; or FP8 with ``transpose_b``, transposed): 128x128 tiles (a tile is one
     weight block) and as many stages as fit, up to 4."""
     if b_dtype == FP8_DTYPE and not transpose_b:
-        return SM90_CONFIGS[0] if n % 256 == 0 else SM90_CONFIGS[1]
+        if n % 256:
+            return SM90_CONFIGS[1]
+        fits = sm90_smem_bytes(SM90_CONFIGS[0], out_dtype) <= SM90_SMEM_BYTES
+        return SM90_CONFIGS[0] if fits else SM90_CONFIGS[2]
     for stages in (4, 3, 2):
         config = Sm90Config(128, stages, 8)
         if sm90_smem_bytes(config, out_dtype, b_dtype, transpose_b) <= SM90_SMEM_BYTES:
@@ -972,6 +984,7 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
         GROUP_M=config.group_m,
         STAGES=config.stages,
         ORDERED=config.ordered,
+        OUT_BUFFERS=config.out_buffers,
         QUANTIZE_B=quantize_b,
         TRANSPOSE_B=transpose_b,
         KEEP_B=kept is not None,
@@ -1018,6 +1031,7 @@ def build_sm90_kernel(
         "GROUP_M": config.group_m,
         "STAGES": config.stages,
         "ORDERED": config.ordered,
+        "OUT_BUFFERS": config.out_buffers,
         "QUANTIZE_B": quantize_b,
         "TRANSPOSE_B": transpose_b,
         "KEEP_B": keep_b,
@@ -1034,6 +1048,7 @@ _SM90_CONSTEXPRS = (
     "GROUP_M",
     "STAGES",
     "ORDERED",
+    "OUT_BUFFERS",
     "QUANTIZE_B",
     "TRANSPOSE_B",
     "KEEP_B",
