@@ -361,8 +361,26 @@ def gaps_by_recipe(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 stats["se"] = sigma * math.sqrt(1 / n + sum((ns / n) ** 2 / ms for ns, ms in per_seed.values()))
             out[recipe][key] = stats
         if recipe in TRAINING_RECIPES and recipe != BASELINE:
-            out[recipe]["goal"] = _verdict([out[recipe][k] for k in GAP_KEYS])
+            stats = [out[recipe][k] for k in GAP_KEYS]
+            out[recipe]["goal"] = _verdict(stats)
+            if out[recipe]["goal"] == "undecided":
+                out[recipe]["runs_to_decide"] = _runs_to_decide(stats, len(rows))
     return out
+
+
+def _runs_to_decide(stats: list[dict[str, Any]], runs: int) -> int | None:
+    """How many runs in all would give a verdict if every gap's mean stayed where it is and its standard error
+    shrank as ``1 / sqrt(runs)`` (new runs like the old ones: a seed each, paired with a BF16 run): the 2 SE
+    half-width must fall below the mean's distance to ``GOAL_GAP`` for every gap. ``None`` without a noise
+    estimate, or when a mean sits on the goal itself (no number of runs decides it)."""
+    needed = runs
+    for s in stats:
+        distance = abs(abs(s["mean"]) - GOAL_GAP) if s.get("se") is not None else 0.0
+        if distance == 0.0:
+            return None
+        # rounded first: a ratio that is whole in decimal is not always whole in binary
+        needed = max(needed, math.ceil(round(runs * (2 * s["se"] / distance) ** 2, 6)))
+    return needed
 
 
 def _verdict(stats: list[dict[str, Any]]) -> str:
@@ -596,15 +614,20 @@ def markdown(doc: dict[str, Any]) -> str:
         "Gaps by recipe: mean +- 2 standard errors [min, max of the runs]. The standard error comes from the "
         f"noise of one run's gap, pooled over the runs that repeat a recipe and seed: {sigmas}. Goal: the "
         f"+-2 SE interval inside +-{100 * GOAL_GAP}% for both gaps (met), outside it for either (missed), or "
-        "neither (undecided: more runs). The bf16 row is the noise itself (same-seed repeats, other seeds).",
+        "neither (undecided: more runs). The bf16 row is the noise itself (same-seed repeats, other seeds). "
+        "Runs to decide: for an undecided recipe, the runs in all at which the verdict would come if both means "
+        "stayed put and the standard errors shrank as 1/sqrt(runs) (each new run on a seed of its own with a "
+        "BF16 run beside it).",
         "",
-        "| recipe | runs | seeds | train gap, last half | held-out gap | goal |",
-        "|---|---|---|---|---|---|",
+        "| recipe | runs | seeds | train gap, last half | held-out gap | goal | runs to decide |",
+        "|---|---|---|---|---|---|---|",
     ]
     for recipe, g in doc["gaps_by_recipe"].items():
         cells = [_interval(g[k]) for k in GAP_KEYS]
+        decide = g.get("runs_to_decide", "")
         lines.append(
-            f"| {RECIPE_NAMES[recipe]} | {g['runs']} | {g['seeds']} | {cells[0]} | {cells[1]} | {g.get('goal', '')} |"
+            f"| {RECIPE_NAMES[recipe]} | {g['runs']} | {g['seeds']} | {cells[0]} | {cells[1]} | {g.get('goal', '')} "
+            f"| {'' if decide is None else decide} |"
         )
     lines += ["", "![loss curves](convergence.png)"]
     if any(s["sqnr"] or s["expert_grad_norm_last_half"] for s in doc["probes"].values()):

@@ -243,3 +243,14 @@ def test_baselines_average_a_seeds_bf16_runs_and_repeats_measure_the_noise() -> 
     assert bc._verdict([{"mean": 0.001, "se": 0.0005}, {"mean": 0.004, "se": 0.0005}]) == "missed"
     assert bc._verdict([{"mean": 0.002, "se": 0.001}] * 2) == "undecided"
     assert bc._verdict([{"mean": 0.001}] * 2) == "undecided"  # no noise estimate: no verdict
+
+
+def test_runs_to_decide_projects_the_standard_error() -> None:
+    # mean 0.1%, 2 SE = 0.3% over 10 runs: the half-width must shrink to 0.15%, so 4x the runs
+    assert bc._runs_to_decide([{"mean": 0.001, "se": 0.0015}] * 2, 10) == 40
+    # the farther gap decides nothing on its own: the nearer one sets the count
+    assert bc._runs_to_decide([{"mean": 0.001, "se": 0.0015}, {"mean": 0.0015, "se": 0.0015}], 10) == 90
+    # above the goal: runs until the interval clears it (mean 0.4%, 2 SE 0.3% -> half-width 0.15%)
+    assert bc._runs_to_decide([{"mean": -0.004, "se": 0.0015}] * 2, 10) == 40
+    assert bc._runs_to_decide([{"mean": 0.0025, "se": 0.001}] * 2, 10) is None  # on the goal itself
+    assert bc._runs_to_decide([{"mean": 0.001}] * 2, 10) is None  # no noise estimate
