@@ -241,7 +241,8 @@ def paired_baselines(name: str, run: dict[str, Any], runs: dict[str, dict[str, A
 def mean_run(names: list[str], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The step-by-step mean of runs ``names`` (losses; held-out losses at the steps all of them evaluated)."""
     chosen = [runs[n] for n in names]
-    steps = set.intersection(*(set(r["validation"]) for r in chosen))
+    # in step order: a set's order would change the report file from one run of --report to the next
+    steps = sorted(set.intersection(*(set(r["validation"]) for r in chosen)), key=int)
     return {
         "name": "+".join(names),
         "losses": [statistics.fmean(v) for v in zip(*(r["losses"] for r in chosen), strict=True)],
@@ -370,17 +371,21 @@ def gaps_by_recipe(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _runs_to_decide(stats: list[dict[str, Any]], runs: int) -> int | None:
     """How many runs in all would give a verdict if every gap's mean stayed where it is and its standard error
-    shrank as ``1 / sqrt(runs)`` (new runs like the old ones: a seed each, paired with a BF16 run): the 2 SE
-    half-width must fall below the mean's distance to ``GOAL_GAP`` for every gap. ``None`` without a noise
-    estimate, or when a mean sits on the goal itself (no number of runs decides it)."""
-    needed = runs
-    for s in stats:
-        distance = abs(abs(s["mean"]) - GOAL_GAP) if s.get("se") is not None else 0.0
+    shrank as ``1 / sqrt(runs)`` (new runs like the old ones: a seed each, paired with a BF16 run). A gap
+    decides once its 2 SE half-width falls below its mean's distance to ``GOAL_GAP``; "missed" needs one gap
+    beyond the goal to decide (the first of them), "met" needs every gap inside it to. ``None`` without a
+    noise estimate, or when a deciding mean sits on the goal itself (no number of runs decides it)."""
+    if any(s.get("se") is None for s in stats):
+        return None
+    beyond = [s for s in stats if abs(s["mean"]) > GOAL_GAP]
+    needed = []
+    for s in beyond or stats:
+        distance = abs(abs(s["mean"]) - GOAL_GAP)
         if distance == 0.0:
             return None
         # rounded first: a ratio that is whole in decimal is not always whole in binary
-        needed = max(needed, math.ceil(round(runs * (2 * s["se"] / distance) ** 2, 6)))
-    return needed
+        needed.append(math.ceil(round(runs * (2 * s["se"] / distance) ** 2, 6)))
+    return max(runs, min(needed) if beyond else max(needed))
 
 
 def _verdict(stats: list[dict[str, Any]]) -> str:

@@ -252,5 +252,7 @@ def test_runs_to_decide_projects_the_standard_error() -> None:
     assert bc._runs_to_decide([{"mean": 0.001, "se": 0.0015}, {"mean": 0.0015, "se": 0.0015}], 10) == 90
     # above the goal: runs until the interval clears it (mean 0.4%, 2 SE 0.3% -> half-width 0.15%)
     assert bc._runs_to_decide([{"mean": -0.004, "se": 0.0015}] * 2, 10) == 40
+    # one gap beyond the goal decides "missed" alone, however long the other would take to be "met"
+    assert bc._runs_to_decide([{"mean": 0.0024, "se": 0.0015}, {"mean": 0.004, "se": 0.0015}], 10) == 40
     assert bc._runs_to_decide([{"mean": 0.0025, "se": 0.001}] * 2, 10) is None  # on the goal itself
     assert bc._runs_to_decide([{"mean": 0.001}] * 2, 10) is None  # no noise estimate
