@@ -197,13 +197,18 @@ def sm90_or(sm90_launcher: Callable[..., Any], other_launcher: Callable[..., Any
     return launch
 
 
-def check_sm90_launch(device: torch.device, config: Sm90Config, n: int, out_dtype: torch.dtype, smem: int) -> None:
-    """Clear errors before any launch: a tile width that does not divide ``n``, a kernel whose
-    shared memory (``smem`` bytes, the op's ``sm90_smem_bytes``) does not fit, a device without wgmma."""
+def check_sm90_launch(
+    device: torch.device, config: Sm90Config, n: int, out_dtype: torch.dtype, smem: int, split_epilogue: bool = False
+) -> None:
+    """Clear errors before any launch: a tile width that does not divide ``n``, staging buffers the kernel
+    cannot use (``split_epilogue``: it stages a 128x256 tile's halves through a buffer each, so
+    ``out_buffers`` may be 2 there), a kernel whose shared memory (``smem`` bytes, the op's
+    ``sm90_smem_bytes``) does not fit, a device without wgmma."""
     if config.block_n not in (128, 256) or n % config.block_n:
         raise ValueError(f"{config}: block_n must be 128 or 256 and divide the output width {n}")
-    if config.out_buffers != 1 and (config.out_buffers != 2 or config.block_n != 256):
-        raise ValueError(f"{config}: out_buffers must be 1, or 2 with block_n=256 (one staging buffer per half)")
+    if config.out_buffers != 1 and not (split_epilogue and config.out_buffers == 2 and config.block_n == 256):
+        allowed = ", or 2 with block_n=256 (one per half)" if split_epilogue else " (one buffer per consumer)"
+        raise ValueError(f"{config}: out_buffers must be 1{allowed} for this kernel's output staging")
     if smem > SM90_SMEM_BYTES:
         raise ValueError(
             f"{config} needs {smem} bytes of shared memory with {out_dtype} out, more than Hopper's {SM90_SMEM_BYTES}"

@@ -950,7 +950,8 @@ def launch_grouped_gemm_fp8_blockwise_sm90(
     config = config or sm90_default_config(n, b.dtype, out_dtype, transpose_b)
     if (quantize_b or transpose_b) and config.block_n != BLOCK:
         raise ValueError(f"{config}: b is quantized or transposed in 128x128 tiles, so block_n must be 128")
-    check_sm90_launch(a.device, config, n, out_dtype, sm90_smem_bytes(config, out_dtype, b.dtype, transpose_b))
+    smem = sm90_smem_bytes(config, out_dtype, b.dtype, transpose_b)
+    check_sm90_launch(a.device, config, n, out_dtype, smem, split_epilogue=True)
     if m == 0:
         return out
     if quantize_b or transpose_b:

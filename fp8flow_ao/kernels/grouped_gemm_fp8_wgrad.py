@@ -527,8 +527,6 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
     """
     k = b_t.shape[0]
     config = config or sm90_wgrad_default_config(k, accumulate_into is not None, b_tile_scales)
-    if config.out_buffers != 1:  # its accumulating epilogue loads the stored values into its one buffer
-        raise ValueError(f"{config}: the wgrad kernel stages its output through one buffer per consumer")
     check_sm90_launch(a_t.device, config, k, out_dtype, sm90_smem_bytes(config, out_dtype))
     out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype, accumulate_into, n_chunks)
     if m == 0:
