@@ -82,6 +82,53 @@ def quantize_tile(w):
 
 
 @triton.jit
+def transpose_row_slices(q0, q1, q2, q3):
+    """The ``[4R, C]`` tile whose row ``4r + b`` is row ``r`` of slice ``q<b>`` (four ``[R, C]`` slices),
+    transposed: ``[C, 4R]``.
+
+    Why slices: ``tl.join`` and ``tl.permute`` only rename registers (each thread then holds 4
+    consecutive rows of a column), so the layout change Triton makes for the transposed store moves
+    4 bytes at a time through shared memory. ``tl.trans`` of a whole 1-byte tile compiles to one
+    1-byte shared-memory load per element (sm_90a: 64 ``LDS.U8`` a thread for a 128 x 128 tile at 8
+    warps), and those conflict: ncu counted ~900 bank conflicts a tile each way in the kernels that did
+    so (``benchmarks/results/memory_bound_notes.md``).
+    """
+    y = tl.join(tl.join(q0, q1), tl.join(q2, q3))  # [r, c, b % 2, b // 2]
+    return tl.reshape(tl.permute(y, (1, 0, 3, 2)), (q0.shape[1], 4 * q0.shape[0]))
+
+
+@triton.jit
+def store_rowwise(x, rows, rows_ok, data_ptr, scale_ptr, cols64, row_stride, scale_row_stride, scale_col):
+    """Quantize fp32 ``x [R, 128]`` (rows ``rows``, columns ``cols64``) in 1 x 128 blocks and store it:
+    data at ``data_ptr[rows * row_stride + cols64]``, each row's scale at ``scale_ptr[rows *
+    scale_row_stride + scale_col]`` (0 where not ``rows_ok``)."""
+    scale_inv, scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=1))
+    rows64 = rows.to(tl.int64)
+    tl.store(data_ptr + rows64[:, None] * row_stride + cols64[None, :], (x * scale[:, None]).to(tl.float8e4nv))
+    tl.store(scale_ptr + rows64 * scale_row_stride + scale_col, tl.where(rows_ok, scale_inv, 0.0))
+
+
+@triton.jit
+def store_colwise_transposed(x0, x1, x2, x3, row0, cols64, M, data_t_ptr, scale_t_ptr, block_ok):
+    """Quantize the fp32 tile of 128 rows from ``row0`` held as four row slices (``x<b>``: rows ``row0 + 4r
+    + b``, columns ``cols64``) in 128 x 1 blocks and store it transposed: data at ``data_t_ptr[cols64 * M
+    + row0 + [0, 128)]`` (tokens contiguous), each column's scale at ``scale_t_ptr[cols64]`` (0 unless
+    ``block_ok``)."""
+    # One reduction over the slices' elementwise maximum (maxnum: NaN ignored, as within a slice).
+    amax = nan_ignoring_amax(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))), 0)
+    scale_inv, scale = pow2_scale_inv_and_scale(amax)
+    q_t = transpose_row_slices(
+        (x0 * scale[None, :]).to(tl.float8e4nv),
+        (x1 * scale[None, :]).to(tl.float8e4nv),
+        (x2 * scale[None, :]).to(tl.float8e4nv),
+        (x3 * scale[None, :]).to(tl.float8e4nv),
+    )
+    tokens = row0 + tl.arange(0, 4 * x0.shape[0])
+    tl.store(data_t_ptr + cols64[:, None] * M + tokens[None, :], q_t)
+    tl.store(scale_t_ptr + cols64, tl.where(block_ok, scale_inv, 0.0))
+
+
+@triton.jit
 def gathered_rows(src_rows_ptr, rows, row_ok, GATHER: tl.constexpr):
     """``(read_ok, source rows int64)`` for output ``rows``: themselves; with ``GATHER`` the row map's
     ``src_rows[rows]``, negative (and past ``row_ok``) for pad rows that read nothing."""

@@ -39,7 +39,11 @@ from fp8flow_ao._checks import (
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
-from fp8flow_ao.kernels._triton_common import gathered_rows, nan_ignoring_amax, pow2_scale_inv_and_scale
+from fp8flow_ao.kernels._triton_common import (
+    gathered_rows,
+    store_colwise_transposed,
+    store_rowwise,
+)
 from fp8flow_ao.kernels.unpermute_unpad import take_rows_or_zero
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,15 +63,21 @@ def quantize_dual_1x128_configs() -> list[LaunchConfig]:
 
     The tile is fixed by the format: one 128 x 128 tile of ``g`` is 128 row-wise and 128 column-wise
     blocks at once, so every amax is complete inside it (32 KiB of bf16 read with 16-byte loads,
-    2 x 16 KiB of fp8 written with 16-byte stores). Registers a thread (triton 3.6, bf16; spills as
-    stack bytes), SASS instructions per tile a thread (ptxas sm_90a), and the H200 sweep of
-    2026-11-23 (``quantize_dual_1x128_sweep.md``, % of copy bandwidth over the six benchmark cases):
+    2 x 16 KiB of fp8 written with 16-byte stores). Registers a thread (triton 3.6, bf16), SASS
+    instructions per tile a thread (ptxas sm_90a), and the H200 sweep of 2026-11-27
+    (``quantize_dual_1x128_sweep.md``, % of copy bandwidth over the six benchmark cases):
 
-    * 8 warps: 127 registers, two programs per SM, 1320 instructions: **66.6-72.3%, best on every
-      case** (the default). The amax that ignores NaN instead of masking it cut ~200 instructions
-      and ~10 registers from the 58-64% kernel before;
-    * capped at 80 registers (152 B stack), three per SM: 53.4-57.2%; 16 warps: 43.0-47.2%.
+    * 8 warps: 97 registers, two programs per SM, 1208 instructions: **69.6-73.7%** (the default). Holding
+      the tile as four 32-row slices for the transposed store (``store_colwise_transposed``) took it from
+      1264 instructions with 64 one-byte shared-memory loads a thread (``tl.trans`` of the fp8 tile: ncu
+      counted 13 M bank conflicts each way at M=32768, N=7168) to 4-byte ones: 2.6-3.8% less device time;
+      before that, the amax that ignores NaN instead of masking it cut ~200 instructions;
+    * capped at 80 registers (7 spill instructions), three per SM: 66.6-74.0%, 2% faster on the skewed
+      cases, equal to 5% slower on the others; 16 warps: 48.3-53.1%.
 
+    What limits it (ncu, M=32768, N=7168): 62% of DRAM bandwidth with 16 warps an SM (25% occupancy, set by
+    registers) and 0.45 instructions issued per scheduler a cycle: loads are in flight only while a
+    program loads, and its amaxes, casts and stores wait on them.
     A persistent variant (each program loading its next tile while it quantizes this one) measured
     slower in every form in the same sweep (60.5-66.2% at 8 warps capped at 128, two per SM; 31.7-55.4%
     otherwise) and was removed; its rows stay in the sweep table.
@@ -76,6 +86,15 @@ def quantize_dual_1x128_configs() -> list[LaunchConfig]:
 
 
 DEFAULT_CONFIG = quantize_dual_1x128_configs()[0]
+
+
+@triton.jit
+def _load_row_slice(g_ptr, src_rows_ptr, rows, end, cols, stride_gm, GATHER: tl.constexpr):
+    """Rows ``rows`` of ``g`` (gathered through ``src_rows`` with ``GATHER``) in fp32, 0 where not read;
+    with which rows were read (rows before ``end`` that are not pad rows)."""
+    read_ok, src64 = gathered_rows(src_rows_ptr, rows, rows < end, GATHER)
+    x = tl.load(g_ptr + src64[:, None] * stride_gm + cols[None, :], mask=read_ok[:, None], other=0.0)
+    return x.to(tl.float32), read_ok
 
 
 @triton.jit
@@ -98,29 +117,32 @@ def _quantize_dual_1x128_kernel(
     """One ``TILE x TILE`` tile per program (N tiles vary fastest): quantized both ways and stored
     with its scales; rows at or past the last group end are padding: masked off (never read) and
     loaded as 0, so their data is written as +0 and their scales as 0. ``GATHER``: row ``r`` reads
-    ``g[src_rows[r]]``, and rows with a negative source are pad rows (read as 0, row-wise scale 0)."""
+    ``g[src_rows[r]]``, and rows with a negative source are pad rows (read as 0, row-wise scale 0).
+
+    The tile is held as four ``TILE / 4``-row slices (rows ``4q + b``), so that the column-wise data
+    is transposed by :func:`~fp8flow_ao.kernels._triton_common.transpose_row_slices` (4 bytes at a time
+    through shared memory).
+    """
     # The last padded group end, read on the device: rows at or past it are padding.
     end = tl.load(offsets_ptr + num_groups - 1) if HAS_OFFSETS else M
     tile = tl.program_id(0)
     tiles_n = N // TILE
-    rows = (tile // tiles_n) * TILE + tl.arange(0, TILE)
-    cols = (tile % tiles_n) * TILE + tl.arange(0, TILE)
-    row_ok = rows < end
-    rows64 = rows.to(tl.int64)
+    tile_n = tile % tiles_n
+    row0 = (tile // tiles_n) * TILE
+    cols = tile_n * TILE + tl.arange(0, TILE)
     cols64 = cols.to(tl.int64)
-    row_ok, src64 = gathered_rows(src_rows_ptr, rows, row_ok, GATHER)
-    x = tl.load(g_ptr + src64[:, None] * stride_gm + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    row_scale_inv, row_scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=1))
-    col_scale_inv, col_scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=0))
-    row_q = (x * row_scale[:, None]).to(tl.float8e4nv)
-    col_q = (x * col_scale[None, :]).to(tl.float8e4nv)
-    tl.store(row_data_ptr + rows64[:, None] * N + cols64[None, :], row_q)
-    tl.store(row_scale_ptr + rows64 * tiles_n + tile % tiles_n, tl.where(row_ok, row_scale_inv, 0.0))
+    quads = 4 * tl.arange(0, TILE // 4)
+    x0, ok0 = _load_row_slice(g_ptr, src_rows_ptr, row0 + quads, end, cols, stride_gm, GATHER)
+    x1, ok1 = _load_row_slice(g_ptr, src_rows_ptr, row0 + quads + 1, end, cols, stride_gm, GATHER)
+    x2, ok2 = _load_row_slice(g_ptr, src_rows_ptr, row0 + quads + 2, end, cols, stride_gm, GATHER)
+    x3, ok3 = _load_row_slice(g_ptr, src_rows_ptr, row0 + quads + 3, end, cols, stride_gm, GATHER)
+    store_rowwise(x0, row0 + quads, ok0, row_data_ptr, row_scale_ptr, cols64, N, tiles_n, tile_n)
+    store_rowwise(x1, row0 + quads + 1, ok1, row_data_ptr, row_scale_ptr, cols64, N, tiles_n, tile_n)
+    store_rowwise(x2, row0 + quads + 2, ok2, row_data_ptr, row_scale_ptr, cols64, N, tiles_n, tile_n)
+    store_rowwise(x3, row0 + quads + 3, ok3, row_data_ptr, row_scale_ptr, cols64, N, tiles_n, tile_n)
     # col_data[n, m] = quantized g[m, n]: tokens contiguous for the wgrad GEMM.
-    tl.store(col_data_ptr + cols64[:, None] * M + rows64[None, :], tl.trans(col_q))
-    block = tile // tiles_n
-    block_ok = block * TILE < end
-    tl.store(col_scale_ptr + block.to(tl.int64) * N + cols64, tl.where(block_ok, col_scale_inv, 0.0))
+    col_scale_row = col_scale_ptr + (row0 // TILE).to(tl.int64) * N
+    store_colwise_transposed(x0, x1, x2, x3, row0, cols64, M, col_data_ptr, col_scale_row, row0 < end)
 
 
 def _allocate(

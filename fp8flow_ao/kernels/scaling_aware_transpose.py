@@ -43,6 +43,7 @@ from fp8flow_ao._checks import (
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, cast_to_fp8, dequantize_rows_reference, quantize_rows_reference
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
+from fp8flow_ao.kernels._triton_common import transpose_row_slices
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows_reference
 
 # Any shift >= 19 sends every E4M3 value (|x| <= 448 < 2**9) below half the smallest subnormal
@@ -273,9 +274,7 @@ def _scaling_aware_transpose_kernel(
         y1 = _reencode_rows(x1, s1, s_max)
         y2 = _reencode_rows(x2, s2, s_max)
         y3 = _reencode_rows(x3, s3, s_max)
-        # [q, k, b] with b = row % 4 innermost, then [k, q, b] = [k, 128 tokens]
-        y = tl.join(tl.join(y0, y1), tl.join(y2, y3))  # [q, k, b % 2, b // 2]
-        y_t = tl.reshape(tl.permute(y, (1, 0, 3, 2)), (_TL_BLOCK, _TL_BLOCK))
+        y_t = transpose_row_slices(y0, y1, y2, y3)  # [k, 128 tokens]
         out = data_t_ptr + row0 + kb * _TL_BLOCK * M.to(tl.int64)
         tl.store(out + idx[:, None] * M + idx[None, :], y_t)
         tl.store(scale_inv_t_ptr + pid_m * K + kb * _TL_BLOCK + idx, tl.zeros([_TL_BLOCK], tl.float32) + s_max)

@@ -76,7 +76,12 @@ from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._grouped_gemm_common import interpreting
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
-from fp8flow_ao.kernels._triton_common import nan_ignoring_amax, pow2_scale_inv_and_scale
+from fp8flow_ao.kernels._triton_common import (
+    nan_ignoring_amax,
+    pow2_scale_inv_and_scale,
+    store_colwise_transposed,
+    store_rowwise,
+)
 
 
 @dataclass(frozen=True)
@@ -110,14 +115,17 @@ def backward_configs() -> list[LaunchConfig]:
     is :data:`BACKWARD_CONFIG`.
 
     A program owns one 128-row block (the column-wise scale block), so it owns every scale block it
-    writes, and walks ``col_tiles`` 128-column tiles of H. Device time on one H200 (triton 3.6,
-    2026-11-24, M = 32768, H = 2048 / 768; registers from ptxas): one tile a
-    program at 8 warps (245 registers, no spill) 356 / 145 us, 45% / 42% of copy bandwidth; all of H
-    at 16 warps (127 registers) 374 / 152 us; the previous default, all of H at 8 warps with 2
-    pipeline stages (255 registers, 114 KiB of shared memory), 395 / 158 us, and 661 / 253 us once the
-    sigmoid is ``_sigmoid``'s approximate form (measured; why the pipelined loop loses was not found).
-    Far from copy bandwidth: ~60 instructions per (gate, up) pair against 10 bytes, and one 8-warp
-    program per SM (``benchmarks/results/memory_bound_notes.md``).
+    writes, and walks ``col_tiles`` 128-column tiles of H. The block is held as four 32-row slices for the
+    transposed stores (``store_colwise_transposed``: 4-byte shared-memory moves instead of ``tl.trans``'s
+    one-byte ones, for which ncu counted ~1800 bank conflicts a program each way). Device time on one H200
+    (triton 3.6, 2026-11-27, ``swiglu_quant_sweep.md``, M = 32768, H = 2048 / 768; registers from ptxas):
+    one tile a program at 8 warps (209 registers, 3704 SASS instructions a thread, no spill) 333 / 136 us,
+    48% / 44% of copy bandwidth (the same kernel on a whole 128 x 128 tile with ``tl.trans``: 245
+    registers, 3832 instructions, 356 / 145 us); capped at 128 registers 349 / 135 us; 16 warps 400 / 161
+    us; two tiles a program 474 / 186 us; all of H with 2 pipeline stages 864 / 324 us. Far from copy
+    bandwidth: ~60 instructions per (gate, up) pair against 10 bytes, and one 8-warp program per SM (ncu:
+    12.5% occupancy, 0.36 instructions issued per scheduler a cycle, 42% of DRAM bandwidth;
+    ``benchmarks/results/memory_bound_notes.md``).
     """
     return [
         LaunchConfig(block_m=BLOCK, num_warps=8, num_stages=1, col_tiles=1),
@@ -199,35 +207,71 @@ def _swiglu_quant_kernel(
 
 
 @triton.jit
-def _store_rowwise_and_colwise(
-    x,
-    col0,
+def _dh_slice(
+    grad_a_ptr,
+    h_ptr,
+    p,
     rows,
     row_ok,
-    block_ok,
-    M,
-    two_h,
-    data_ptr,
-    scale_ptr,
-    data_t_ptr,
-    scale_t_row_ptr,
-    BLOCK_H: tl.constexpr,
+    cols,
+    H,
+    stride_gm,
+    stride_hm,
+    HAS_PROBS: tl.constexpr,
+    SCORE_BEFORE_EXPERTS: tl.constexpr,
+    APPROX: tl.constexpr,
 ):
-    """Quantize one fp32 128-row x 128-column tile of ``dh`` (columns ``col0 + [0, 128)``) both ways.
-
-    Row-wise: one scale per row of the tile. Column-wise: one scale per column of the tile (into
-    ``scale_t_row_ptr``, the row of column-wise scales of this 128-row block), data stored
-    transposed (tokens contiguous). Both from the same fp32 values.
-    """
-    cols = col0 + tl.arange(0, BLOCK_H)
+    """``d_gate``, ``d_up`` (fp32 ``[R, 128]``) of rows ``rows`` and columns ``cols`` of H, and those
+    columns' terms of ``grad_probs`` summed per row (``[R]``); 0 in rows not ``row_ok``. ``p``: the
+    rows' probs ``[R, 1]`` (unused without ``HAS_PROBS``)."""
     rows64 = rows.to(tl.int64)
-    r_inv, r = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=1))
-    tl.store(data_ptr + rows64[:, None] * two_h + cols[None, :], (x * r[:, None]).to(tl.float8e4nv))
-    tl.store(scale_ptr + rows64 * (two_h // BLOCK_H) + col0 // BLOCK_H, tl.where(row_ok, r_inv, 0.0))
-    c_inv, c = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=0))
-    q_t = tl.trans((x * c[None, :]).to(tl.float8e4nv))
-    tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], q_t)
-    tl.store(scale_t_row_ptr + cols, tl.where(block_ok, c_inv, 0.0))
+    ga = tl.load(grad_a_ptr + rows64[:, None] * stride_gm + cols[None, :], mask=row_ok[:, None], other=0.0)
+    gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    g = tl.load(gate_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    u = tl.load(gate_ptrs + H, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    ga = ga.to(tl.float32)
+    if SCORE_BEFORE_EXPERTS:
+        # SwiGLU's inputs were g' = p * gate and u' = p * up. grad_probs = sum(t_gate * gate +
+        # t_up * up) (t: the gradients w.r.t. g', u'), written as sum(grad_a * up * g' * (s + dsilu))
+        # so that gate and up die early.
+        gp = g * p
+        s = _sigmoid(gp, APPROX)
+        d_up = ga * (gp * s)
+        gu = ga * u
+        dsilu = s * (1.0 + gp * (1.0 - s))
+        grad_probs = tl.sum(gu * (gp * (s + dsilu)), axis=1)
+        d_up = d_up * p
+        d_gate = ((gu * p) * dsilu) * p
+    else:
+        s = _sigmoid(g, APPROX)
+        d_up = ga * (g * s)
+        d_gate = ga * u
+        grad_probs = tl.zeros([rows.shape[0]], dtype=tl.float32)
+        if HAS_PROBS:
+            grad_probs = tl.sum(d_up * u, axis=1)
+            d_up = d_up * p
+            d_gate = d_gate * p
+        d_gate = d_gate * (s * (1.0 + g * (1.0 - s)))
+    return d_gate, d_up, grad_probs
+
+
+@triton.jit
+def _store_both_ways(x0, x1, x2, x3, row0, rows, ok0, ok1, ok2, ok3, col0, end, M, two_h, out_ptrs):
+    """Quantize one fp32 128-row x 128-column tile of ``dh`` (columns ``col0 + [0, 128)``), held as four
+    row slices (``x<b>``: rows ``rows + b``, computed where ``ok<b>``), both ways: row-wise into ``dh``,
+    column-wise (transposed, tokens contiguous) into ``dh_t`` with its scales in the row of column-wise
+    scales of this 128-row block. Both from the same fp32 values. ``out_ptrs``: ``(dh, dh_scale, dh_t,
+    that scale row)``."""
+    dh_ptr, dh_scale_ptr, dh_t_ptr, scale_t_row_ptr = out_ptrs
+    width: tl.constexpr = 4 * x0.shape[0]
+    cols64 = (col0 + tl.arange(0, width)).to(tl.int64)
+    per_row = two_h // width
+    tile = col0 // width
+    store_rowwise(x0, rows, ok0, dh_ptr, dh_scale_ptr, cols64, two_h, per_row, tile)
+    store_rowwise(x1, rows + 1, ok1, dh_ptr, dh_scale_ptr, cols64, two_h, per_row, tile)
+    store_rowwise(x2, rows + 2, ok2, dh_ptr, dh_scale_ptr, cols64, two_h, per_row, tile)
+    store_rowwise(x3, rows + 3, ok3, dh_ptr, dh_scale_ptr, cols64, two_h, per_row, tile)
+    store_colwise_transposed(x0, x1, x2, x3, row0, cols64, M, dh_t_ptr, scale_t_row_ptr, row0 < end)
 
 
 @triton.jit
@@ -257,58 +301,56 @@ def _swiglu_quant_backward_kernel(
 ):
     """One program: one 128-row block x ``COL_TILES`` 128-column tiles of H (program axis 1 picks
     which); writes the d_gate and d_up tiles of both ``dh`` layouts and the block's partial
-    ``grad_probs`` over those columns (row ``program_id(1)`` of ``grad_probs_ptr [S, M]``)."""
+    ``grad_probs`` over those columns (row ``program_id(1)`` of ``grad_probs_ptr [S, M]``).
+
+    The block is held as four 32-row slices (rows ``4q + b``), so that the column-wise data is
+    transposed by :func:`~fp8flow_ao.kernels._triton_common.transpose_row_slices` (4 bytes at a time
+    through shared memory)."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = pid * BLOCK_M
+    rows = row0 + 4 * tl.arange(0, BLOCK_M // 4)  # slice b holds rows + b
     end = _rows_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
-    row_ok = rows < end
-    block_ok = pid * BLOCK_M < end
-    rows64 = rows.to(tl.int64)
-    scale_t_row_ptr = dh_t_scale_ptr + pid.to(tl.int64) * 2 * H
-    if HAS_PROBS:
-        p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    grad_probs = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ok0, ok1, ok2, ok3 = rows < end, rows + 1 < end, rows + 2 < end, rows + 3 < end
+    out_ptrs = (dh_ptr, dh_scale_ptr, dh_t_ptr, dh_t_scale_ptr + pid.to(tl.int64) * 2 * H)
+    # Without probs these are neither loaded (masked off) nor used.
+    p0 = tl.load(probs_ptr + rows, mask=ok0 & HAS_PROBS, other=0.0)[:, None]
+    p1 = tl.load(probs_ptr + rows + 1, mask=ok1 & HAS_PROBS, other=0.0)[:, None]
+    p2 = tl.load(probs_ptr + rows + 2, mask=ok2 & HAS_PROBS, other=0.0)[:, None]
+    p3 = tl.load(probs_ptr + rows + 3, mask=ok3 & HAS_PROBS, other=0.0)[:, None]
+    gp0 = tl.zeros([BLOCK_M // 4], dtype=tl.float32)
+    gp1 = tl.zeros([BLOCK_M // 4], dtype=tl.float32)
+    gp2 = tl.zeros([BLOCK_M // 4], dtype=tl.float32)
+    gp3 = tl.zeros([BLOCK_M // 4], dtype=tl.float32)
     col_begin = pid_s * (COL_TILES * BLOCK_H)
     col_end = tl.minimum(col_begin + COL_TILES * BLOCK_H, H)
     for col0 in tl.range(col_begin, col_end, BLOCK_H, num_stages=NUM_STAGES):
         cols = col0 + tl.arange(0, BLOCK_H)
-        ga = tl.load(grad_a_ptr + rows64[:, None] * stride_gm + cols[None, :], mask=row_ok[:, None], other=0.0)
-        gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-        g = tl.load(gate_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        u = tl.load(gate_ptrs + H, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        ga = ga.to(tl.float32)
-        if SCORE_BEFORE_EXPERTS:
-            # SwiGLU's inputs were g' = p * gate and u' = p * up. grad_probs = sum(t_gate * gate +
-            # t_up * up) (t: the gradients w.r.t. g', u'), written as sum(grad_a * up * g' * (s + dsilu))
-            # so that gate and up die early: sm_90, 8 warps, triton 3.6 spills 8 bytes as in the other
-            # mode (the plain sum: 152); triton 3.9 spills 472 either way round (the other mode: 32).
-            gp = g * p
-            s = _sigmoid(gp, APPROX)
-            d_up = ga * (gp * s)
-            gu = ga * u
-            dsilu = s * (1.0 + gp * (1.0 - s))
-            grad_probs += tl.sum(gu * (gp * (s + dsilu)), axis=1)
-            d_up = d_up * p
-            d_gate = ((gu * p) * dsilu) * p
-        else:
-            s = _sigmoid(g, APPROX)
-            d_up = ga * (g * s)
-            d_gate = ga * u
-            if HAS_PROBS:
-                grad_probs += tl.sum(d_up * u, axis=1)
-                d_up = d_up * p
-                d_gate = d_gate * p
-            d_gate = d_gate * (s * (1.0 + g * (1.0 - s)))
+        g0, u0, t0 = _dh_slice(
+            grad_a_ptr, h_ptr, p0, rows, ok0, cols, H, stride_gm, stride_hm, HAS_PROBS, SCORE_BEFORE_EXPERTS, APPROX
+        )
+        g1, u1, t1 = _dh_slice(
+            grad_a_ptr, h_ptr, p1, rows + 1, ok1, cols, H, stride_gm, stride_hm, HAS_PROBS, SCORE_BEFORE_EXPERTS, APPROX
+        )
+        g2, u2, t2 = _dh_slice(
+            grad_a_ptr, h_ptr, p2, rows + 2, ok2, cols, H, stride_gm, stride_hm, HAS_PROBS, SCORE_BEFORE_EXPERTS, APPROX
+        )
+        g3, u3, t3 = _dh_slice(
+            grad_a_ptr, h_ptr, p3, rows + 3, ok3, cols, H, stride_gm, stride_hm, HAS_PROBS, SCORE_BEFORE_EXPERTS, APPROX
+        )
+        gp0 += t0
+        gp1 += t1
+        gp2 += t2
+        gp3 += t3
         # d_gate first: only d_up stays live across its quantization (fewest registers).
-        _store_rowwise_and_colwise(
-            d_gate, col0, rows, row_ok, block_ok, M, 2 * H, dh_ptr, dh_scale_ptr, dh_t_ptr, scale_t_row_ptr, BLOCK_H
-        )
-        _store_rowwise_and_colwise(
-            d_up, H + col0, rows, row_ok, block_ok, M, 2 * H, dh_ptr, dh_scale_ptr, dh_t_ptr, scale_t_row_ptr, BLOCK_H
-        )
+        _store_both_ways(g0, g1, g2, g3, row0, rows, ok0, ok1, ok2, ok3, col0, end, M, 2 * H, out_ptrs)
+        _store_both_ways(u0, u1, u2, u3, row0, rows, ok0, ok1, ok2, ok3, H + col0, end, M, 2 * H, out_ptrs)
     if HAS_PROBS:
-        tl.store(grad_probs_ptr + pid_s.to(tl.int64) * M + rows, grad_probs)
+        partial = grad_probs_ptr + pid_s.to(tl.int64) * M + rows
+        tl.store(partial, gp0)
+        tl.store(partial + 1, gp1)
+        tl.store(partial + 2, gp2)
+        tl.store(partial + 3, gp3)
 
 
 # The interpreter (TRITON_INTERPRET=1, read by triton.jit at import as here) has no libdevice: the plain
