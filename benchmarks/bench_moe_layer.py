@@ -68,10 +68,15 @@ and its ratio to BF16's, with and without those copies; peak memory of forward +
 the resident state. A second table (``moe_layer_stages``) splits FP8-Flow's device time by op from a torch.profiler trace: GEMMs
 are named by their shapes (FC1/FC2, forward/dgrad/wgrad); every kernel that no ``fp8flow::`` op launched
 (router, top-k, gathers, inductor-fused elementwise) is an "other: <kernel> [<launching op>]" row, the
-largest ones by name; "idle" is the timed step less the device time of every kernel. The same table
-gives the host's time to enqueue one step and the device's time to run one, each measured apart with the
-GPU held busy ("host enqueue", "device, steps back to back": host above device means host-bound, the step
-then follows the host CPU's speed) and, from cProfile, the Python functions the host's time goes to
+largest ones by name. What the kernels do not account for is split in two: "gaps" is the device time
+of steps run back to back (right after a GPU sleep, the host excluded) less every kernel of the profiled
+steps (the device idle between kernels); "sustained" is the timed step less that back-to-back device time:
+where the step is device-bound, the slower clocks of many steps in a row under the power cap (a sleep
+leaves the GPU headroom; ``moe_layer_spread_notes.md``), where it is host-bound, the device waiting for the
+host. The same table gives the host's time to enqueue one step and the device's time to run one, each
+measured apart with the GPU held busy ("host enqueue", "device, steps back to back": host above device means
+host-bound, the step then follows the host CPU's speed) and, from cProfile, the Python functions the host's
+time goes to
 ("host: <function> (<file>:<line>)", own time, shares).
 
 Targets (issue 4): >= 1.6x BF16 (DeepSeek-like), >= 1.4x BF16 (Qwen-like), >= 1.3x torchao
@@ -435,9 +440,11 @@ def stage_breakdown(
     block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], shape: MoEShape, step_us: float
 ) -> tuple[dict[str, float], float, float, dict[str, float]]:
     """Device microseconds per forward + backward by ``fp8flow::`` op (outermost calls only), by kernel
-    for the rest ("other: ..."), and "idle": the timed step (``step_us``, CUDA events) less the device
-    time of every kernel (each device event counted once, deduplicated by name and start time);
-    and the host's and the device's microseconds per step (:func:`host_and_device_us`).
+    for the rest ("other: ..."), and what no kernel accounts for (each device event counted once,
+    deduplicated by name and start time): "gaps", the device time of steps back to back
+    (:func:`host_and_device_us`) less every kernel, and "sustained", the timed step (``step_us``, CUDA
+    events) less that device time (see the module docstring); and the host's and the device's microseconds
+    per step.
 
     Kernels are charged to the op that launched them (the profiler's correlation). Should the trace
     link no kernel to an op, Triton kernels are named by their function instead (``_<op>_kernel``).
@@ -472,7 +479,8 @@ def stage_breakdown(
     other = _other_kernels(events, kernels)
     per_step.update({f"other: {name}": us / PROFILE_ITERS for name, us in other.items()})
     kernel_us = sum(k.device_time_total for k in kernels) / PROFILE_ITERS
-    per_step["idle (timed step less every kernel of the profiled steps)"] = step_us - kernel_us
+    per_step["gaps (device time of steps back to back less every kernel)"] = device_us - kernel_us
+    per_step["sustained (timed step less the device time of steps back to back)"] = step_us - device_us
     return dict(sorted(per_step.items(), key=lambda kv: -kv[1])), host_us, device_us, host_profile(step, x, dy)
 
 
