@@ -148,9 +148,8 @@ def padded_ends(counts: list[int]) -> list[int]:
     return ends
 
 
-_BUILD_EVERY_SM90_CONFIG = """
+_LOCAL_MEMORY_INSTRUCTIONS = """
 import json, os, subprocess, tempfile, torch, triton
-from fp8flow_ao.kernels import _sm90_common as common, {module} as mod
 
 def local_memory_instructions(cubin):
     # ptxas's spills: loads and stores of thread-local memory in the SASS (Triton's own cuobjdump)
@@ -160,6 +159,12 @@ def local_memory_instructions(cubin):
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     return sum(word.split(".")[0] in ("LDL", "STL") for word in sass.split())
+"""
+
+_BUILD_EVERY_SM90_CONFIG = (
+    _LOCAL_MEMORY_INSTRUCTIONS.replace("{", "{{").replace("}", "}}")
+    + """
+from fp8flow_ao.kernels import _sm90_common as common, {module} as mod
 
 built = []
 for config in mod.{configs}:
@@ -170,6 +175,7 @@ for config in mod.{configs}:
             built.append([str(config), str(out_dtype), kernel.metadata.shared, len(cubin), local_memory_instructions(cubin)])
 print(json.dumps(built))
 """
+)
 
 
 def build_every_sm90_config(
@@ -186,6 +192,23 @@ def build_every_sm90_config(
         builder=builder,
         extra=f", {extra}" if extra else "",
         smem_extra=f", {smem_extra}" if smem_extra else "",
+    )
+    return run_compiling(code)
+
+
+def build_spills(module: str, builds: list[str]) -> list[list]:
+    """Compile each ``fp8flow_ao.kernels.<module>.<build>`` expression (a builder returning a compiled
+    kernel, e.g. ``build_sm90_transpose_kernel(True)``) for sm_90a in a fresh process; ``[build, shared
+    bytes, local-memory instructions (spills) in its SASS]`` per build."""
+    code = (
+        _LOCAL_MEMORY_INSTRUCTIONS
+        + f"from fp8flow_ao.kernels import {module} as mod\n"
+        + f"builds = {builds!r}\n"
+        + "built = []\n"
+        + "for b in builds:\n"
+        + "    kernel = eval('mod.' + b)\n"
+        + "    built.append([b, kernel.metadata.shared, local_memory_instructions(kernel.asm['cubin'])])\n"
+        + "print(json.dumps(built))\n"
     )
     return run_compiling(code)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.testing
+import triton
 from conftest import DEVICE
-from fp8_helpers import assert_fp8_equal, assert_scales_equal, fp8_bits, opcheck_fp8_inputs
+from fp8_helpers import assert_fp8_equal, assert_scales_equal, build_spills, fp8_bits, opcheck_fp8_inputs
 
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_rows_reference, quantize_rows_reference
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows, route_pad
@@ -16,12 +17,15 @@ from fp8flow_ao.kernels.scaling_aware_transpose import (
     default_transpose_config,
     dequantize_transpose_requantize_reference,
     launch_scaling_aware_transpose,
+    launch_scaling_aware_transpose_sm90,
     scaling_aware_transpose,
     scaling_aware_transpose_reference,
     transpose_configs,
 )
 
 CONFIGS = [None, *transpose_configs()]
+# The two kernels of the plain form: Triton (any GPU, the CPU interpreter) and the Hopper TMA kernel.
+KERNELS = [pytest.param("triton", id="triton"), pytest.param("sm90", id="sm90", marks=pytest.mark.hopper)]
 SMALLEST_NORMAL = 2.0**-6  # of E4M3
 
 
@@ -51,8 +55,11 @@ def grouped_input(counts: list[int], m: int, k: int) -> tuple[torch.Tensor, torc
     return data.to(DEVICE), scale_inv.to(DEVICE), ends.to(DEVICE)
 
 
-def assert_matches_reference(data, scale_inv, offsets=None, config=None):
-    data_t, scale_t = launch_scaling_aware_transpose(data, scale_inv, offsets, config=config)
+def assert_matches_reference(data, scale_inv, offsets=None, config=None, kernel="triton"):
+    if kernel == "sm90":
+        data_t, scale_t = launch_scaling_aware_transpose_sm90(data, scale_inv, offsets)
+    else:
+        data_t, scale_t = launch_scaling_aware_transpose(data, scale_inv, offsets, config=config)
     ref_t, ref_scale_t = scaling_aware_transpose_reference(
         data.cpu(), scale_inv.cpu(), None if offsets is None else offsets.cpu()
     )
@@ -74,6 +81,46 @@ def test_triton_matches_reference(shape, config):
     assert_matches_reference(data, scale_inv, config=config)
 
 
+@pytest.mark.hopper
+@pytest.mark.parametrize("shape", [(128, 128), (384, 640), (1280, 2048), (4096, 7168)])
+def test_sm90_matches_reference(shape):
+    """The Hopper kernel: fewer tiles than SMs, and many tiles a program (the ring wraps, both partitions)."""
+    data, scale_inv = rowwise_input(*shape)
+    assert_matches_reference(data, scale_inv, kernel="sm90")
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("end", [0, 1, 200, 383])
+def test_sm90_end_inside_a_tile(end):
+    """An end that is no multiple of 128 (outside the op's contract, inside the kernel's): the tile holding it
+    zeroes the rows past it (NaN there must not leak through its 0 multiplier), later tiles are not read."""
+    data, scale_inv = rowwise_input(512, 384)
+    data.view(torch.uint8)[end:] = 0x7F  # NaN
+    scale_inv[end:] = 2.0**100
+    ends = torch.tensor([end], dtype=torch.int32, device=DEVICE)
+    data_t, scale_t = assert_matches_reference(data, scale_inv, ends, kernel="sm90")
+    assert bool((fp8_bits(data_t[:, end:]) == 0).all())
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"transposers": 3}, "transposers must be 2 or 4"), ({"stages": 11}, "shared memory")]
+)
+def test_sm90_refuses_settings_it_cannot_run(kwargs, match):
+    data, scale_inv = rowwise_input(128, 128)
+    with pytest.raises(ValueError, match=match):
+        launch_scaling_aware_transpose_sm90(data, scale_inv, **kwargs)
+
+
+def test_sm90_kernel_builds_for_hopper():
+    """Compiled for sm_90a without a GPU (the interpreter cannot run Gluon): every form builds, none spills."""
+    built = build_spills("scaling_aware_transpose", [f"build_sm90_transpose_kernel({o})" for o in (True, False)])
+    # Spills: none with triton 3.6's ptxas (the GPU image's); newer ones move a few values of the default
+    # partition through local memory at these register counts.
+    most = 0 if triton.__version__.startswith("3.6.") else 16
+    assert all(spills <= most for *_, spills in built), built
+
+
 @pytest.mark.parametrize(
     "counts",
     [
@@ -84,18 +131,28 @@ def test_triton_matches_reference(shape, config):
         [0, 0],  # no rows at all: every row is past the end
     ],
 )
-@pytest.mark.parametrize("config", [None, TransposeConfig(1, 8, 128, None), TransposeConfig(2, 8, 128, 2)], ids=str)
-def test_group_offsets(counts, config):
+@pytest.mark.parametrize(
+    ("config", "kernel"),
+    [
+        (None, "triton"),
+        (TransposeConfig(1, 8, 128, None), "triton"),
+        (TransposeConfig(2, 8, 128, 2), "triton"),
+        pytest.param(None, "sm90", marks=pytest.mark.hopper),
+    ],
+    ids=str,
+)
+def test_group_offsets(counts, config, kernel):
     m = 640  # rows past the last group end: garbage, never read
     data, scale_inv, ends = grouped_input(counts, m, 256)
-    data_t, scale_t = assert_matches_reference(data, scale_inv, ends, config)
+    data_t, scale_t = assert_matches_reference(data, scale_inv, ends, config, kernel)
     tail = int(ends[-1])
     assert bool((fp8_bits(data_t[:, tail:]) == 0).all()), "rows past the last group end must come out as 0"
     assert bool((scale_t[tail // BLOCK :] == 0).all())
     assert bool(torch.isfinite(dequantize_columnwise(data_t, scale_t)).all())
 
 
-def test_edge_values():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_edge_values(kernel):
     """Zeros, -0, NaN, a block with scale +inf, pad rows inside a tile and a whole pad tile."""
     data, scale_inv = rowwise_input(384, 256, spread=4, device="cpu")
     bits = data.view(torch.uint8)
@@ -110,7 +167,7 @@ def test_edge_values():
     bits[256:] = 0  # tile 2: all pad
     scale_inv[256:] = 0
     data, scale_inv = data.to(DEVICE), scale_inv.to(DEVICE)
-    data_t, scale_t = assert_matches_reference(data, scale_inv)
+    data_t, scale_t = assert_matches_reference(data, scale_inv, kernel=kernel)
     deq = dequantize_columnwise(data_t, scale_t)
     bits = fp8_bits(data_t)
     assert bool((bits[:128, 0] == 0x00).all()) and bool((bits[:128, 1] == 0x80).all())  # +0 and -0 survive
@@ -134,10 +191,11 @@ def _all_codes_by_shift(max_shift: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return data, scale_inv, shift
 
 
-def test_every_code_every_shift_is_round_to_nearest_even():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_code_every_shift_is_round_to_nearest_even(kernel):
     """Exhaustive: kernel == reference == an independent float64 oracle (exact value, one RNE cast)."""
     data, scale_inv, shift = _all_codes_by_shift(30)
-    data_t, _ = assert_matches_reference(data.to(DEVICE), scale_inv.to(DEVICE))
+    data_t, _ = assert_matches_reference(data.to(DEVICE), scale_inv.to(DEVICE), kernel=kernel)
     exact = data.double() * (2.0 ** -shift.double())[:, None]  # exact: <= 4 significant bits
     expected = exact.float().to(FP8_DTYPE)  # torch's fp32 -> E4M3 cast is round-to-nearest-even
     assert_fp8_equal(data_t.t().contiguous(), expected, "every code x every shift")

@@ -82,6 +82,15 @@ def quantize_tile(w):
 
 
 @triton.jit
+def last_group_end(offsets_ptr, num_groups, M, HAS_OFFSETS: tl.constexpr):
+    """First row not computed: the last group end offset (read on the device, clamped to ``M``), or ``M``."""
+    end = M
+    if HAS_OFFSETS:
+        end = tl.minimum(tl.load(offsets_ptr + num_groups - 1), M)
+    return end
+
+
+@triton.jit
 def transpose_row_slices(q0, q1, q2, q3):
     """The ``[4R, C]`` tile whose row ``4r + b`` is row ``r`` of slice ``q<b>`` (four ``[R, C]`` slices),
     transposed: ``[C, 4R]``.

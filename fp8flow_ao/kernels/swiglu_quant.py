@@ -77,6 +77,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import interpreting
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import (
+    last_group_end,
     nan_ignoring_amax,
     pow2_scale_inv_and_scale,
     store_colwise_transposed,
@@ -158,15 +159,6 @@ def _sigmoid(g, APPROX: tl.constexpr):
 
 
 @triton.jit
-def _rows_end(offsets_ptr, num_groups, M, HAS_OFFSETS: tl.constexpr):
-    """First row that is not computed: the last group end offset (clamped to M), or M."""
-    end = M
-    if HAS_OFFSETS:
-        end = tl.minimum(tl.load(offsets_ptr + num_groups - 1), M)
-    return end
-
-
-@triton.jit
 def _swiglu_quant_kernel(
     h_ptr,
     probs_ptr,
@@ -188,7 +180,7 @@ def _swiglu_quant_kernel(
     pid_h = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < _rows_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
+    row_ok = rows < last_group_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
     rows64 = rows.to(tl.int64)
     gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
     g = tl.load(gate_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -310,7 +302,7 @@ def _swiglu_quant_backward_kernel(
     pid_s = tl.program_id(1)
     row0 = pid * BLOCK_M
     rows = row0 + 4 * tl.arange(0, BLOCK_M // 4)  # slice b holds rows + b
-    end = _rows_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
+    end = last_group_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
     ok0, ok1, ok2, ok3 = rows < end, rows + 1 < end, rows + 2 < end, rows + 3 < end
     out_ptrs = (dh_ptr, dh_scale_ptr, dh_t_ptr, dh_t_scale_ptr + pid.to(tl.int64) * 2 * H)
     # Without probs these are neither loaded (masked off) nor used.
