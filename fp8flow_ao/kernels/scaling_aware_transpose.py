@@ -300,7 +300,9 @@ def _scaling_aware_transpose_kernel(
 # (launch_scaling_aware_transpose_sm90) until its pending GPU checks make it the op's kernel on sm_90 (its
 # docstring). The gathering form stays on the Triton kernel (Hopper's TMA cannot gather rows).
 SM90_STAGES = 8  # landed input tiles in flight (16 KiB each): ~4x what 4.2 TB/s x ~1 us asks of an SM
-SM90_TRANSPOSERS = 4  # partitions of 4 warps taking the landed tiles in turn (2 or 4)
+# Partitions of 4 warps that take the landed tiles in turn, an output buffer each: 4 (16 warps re-encoding;
+# 2 were too few: 1.04-1.17x the Triton kernel's time, memory_bound_notes.md).
+SM90_TRANSPOSERS = 4
 SM90_TRANSPOSER_REGS = 96
 # A barrier of the calling partition's warps: gl.thread_barrier on triton 3.6, renamed gl.barrier later.
 _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -329,8 +331,7 @@ def _sat_sm90_loader(in_desc, in_bufs, ready, empty, offsets_ptr, M, K, num_grou
 def _sat_sm90_transposer(PART: gl.constexpr, PARTS: gl.constexpr, HAS_OFFSETS: gl.constexpr, ring, tensors):
     """4 warps: this partition's landed tiles (the program's tiles ``PART, PART + PARTS, ...``), each
     re-encoded to its scale ``s_max`` and stored transposed through this partition's output buffers
-    (``out_bufs[BUFS PART + b]``: 2 used in turn with 2 transposers, 1 with 4) by TMA, with its 128
-    column-wise scales.
+    (``out_bufs[PART]``) by TMA, with its 128 column-wise scales.
 
     Layout as the grouped GEMM's FP8 transposer (``_sm90_prepare_b``): 16 rows x 4 columns a thread, read
     with ``ldmatrix`` from the swizzled slot and written 16 tokens at a time after the register permute.
@@ -364,10 +365,8 @@ def _sat_sm90_transposer(PART: gl.constexpr, PARTS: gl.constexpr, HAS_OFFSETS: g
             rows = row0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(1, layout))
             x = gl.where((rows < end)[:, None], x, gl.zeros_like(x))
         y = (x.to(gl.float16) * mult[:, None]).to(gl.float8e4nv)
-        # Output buffers per partition: 2 used in turn (each store waits for the one two ago), or 1.
-        BUFS: gl.constexpr = out_bufs.type.shape[0] // PARTS
-        out = out_bufs.index(BUFS * PART + (it // PARTS) % BUFS)
-        tma.store_wait(BUFS - 1)
+        out = out_bufs.index(PART)
+        tma.store_wait(0)  # this partition's previous store has left its buffer
         out.store(gl.permute(y, (1, 0)))
         fence_async_shared()
         tma_store(out_desc, [kb * SM90_BLOCK, row0], out)
@@ -387,14 +386,12 @@ def _scaling_aware_transpose_sm90_kernel(
     num_groups,
     HAS_OFFSETS: gl.constexpr,
     STAGES: gl.constexpr,
-    TRANSPOSERS: gl.constexpr,
     TRANSPOSER_REGS: gl.constexpr,
 ):
     """Persistent: program ``p`` takes tiles ``p, p + programs, ...`` (row tile major, scale block minor).
-    One loader warp keeps ``STAGES`` tiles in flight; ``TRANSPOSERS`` partitions of 4 warps (the default one
-    and workers) take the landed tiles in turn."""
+    One loader warp keeps ``STAGES`` tiles in flight; four transposer partitions of 4 warps (the default one
+    and three workers, :data:`SM90_TRANSPOSERS`) take the landed tiles in turn."""
     in_bufs = gl.allocate_shared_memory(in_desc.dtype, [STAGES] + in_desc.block_type.shape, in_desc.layout)
-    # 4 output buffers: 2 for each of 2 transposers, or 1 for each of 4.
     out_bufs = gl.allocate_shared_memory(out_desc.dtype, [4] + out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -403,36 +400,24 @@ def _scaling_aware_transpose_sm90_kernel(
         mbarrier.init(empty.index(i), count=1)
     ring = (in_bufs, ready, empty, out_bufs)
     tensors = (out_desc, scale_ptr, scale_t_ptr, offsets_ptr, M, K, num_groups)
-    # The partition lists spelled out: Gluon keeps constexprs (PART, PARTS, HAS_OFFSETS) only in literal
+    # The partitions spelled out: Gluon keeps constexprs (PART, PARTS, HAS_OFFSETS) only in literal
     # argument tuples.
-    if TRANSPOSERS == 2:
-        gl.warp_specialize(
-            [
-                (_sat_sm90_transposer, (0, 2, HAS_OFFSETS, ring, tensors)),
-                (_sat_sm90_transposer, (1, 2, HAS_OFFSETS, ring, tensors)),
-                (_sat_sm90_loader, (in_desc, in_bufs, ready, empty, offsets_ptr, M, K, num_groups, HAS_OFFSETS)),
-            ],
-            [4, 1],
-            [TRANSPOSER_REGS, 40],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_sat_sm90_transposer, (0, 4, HAS_OFFSETS, ring, tensors)),
-                (_sat_sm90_transposer, (1, 4, HAS_OFFSETS, ring, tensors)),
-                (_sat_sm90_transposer, (2, 4, HAS_OFFSETS, ring, tensors)),
-                (_sat_sm90_transposer, (3, 4, HAS_OFFSETS, ring, tensors)),
-                (_sat_sm90_loader, (in_desc, in_bufs, ready, empty, offsets_ptr, M, K, num_groups, HAS_OFFSETS)),
-            ],
-            [4, 4, 4, 1],
-            [TRANSPOSER_REGS, TRANSPOSER_REGS, TRANSPOSER_REGS, 40],
-        )
+    gl.warp_specialize(
+        [
+            (_sat_sm90_transposer, (0, 4, HAS_OFFSETS, ring, tensors)),
+            (_sat_sm90_transposer, (1, 4, HAS_OFFSETS, ring, tensors)),
+            (_sat_sm90_transposer, (2, 4, HAS_OFFSETS, ring, tensors)),
+            (_sat_sm90_transposer, (3, 4, HAS_OFFSETS, ring, tensors)),
+            (_sat_sm90_loader, (in_desc, in_bufs, ready, empty, offsets_ptr, M, K, num_groups, HAS_OFFSETS)),
+        ],
+        [4, 4, 4, 1],
+        [TRANSPOSER_REGS, TRANSPOSER_REGS, TRANSPOSER_REGS, 40],
+    )
 
 
 def build_sm90_transpose_kernel(
     has_offsets: bool = True,
     stages: int = SM90_STAGES,
-    transposers: int = SM90_TRANSPOSERS,
     transposer_regs: int = SM90_TRANSPOSER_REGS,
 ) -> Any:
     """Compile the Hopper kernel for sm_90a without a GPU (see
@@ -445,12 +430,11 @@ def build_sm90_transpose_kernel(
         # Without offsets the launcher passes scale_inv there (unread): an fp32 pointer.
         "offsets_ptr": "*i32" if has_offsets else "*fp32",
         **dict.fromkeys(("M", "K", "num_groups"), "i32"),
-        **dict.fromkeys(("HAS_OFFSETS", "STAGES", "TRANSPOSERS", "TRANSPOSER_REGS"), "constexpr"),
+        **dict.fromkeys(("HAS_OFFSETS", "STAGES", "TRANSPOSER_REGS"), "constexpr"),
     }
     constexprs = {
         "HAS_OFFSETS": has_offsets,
         "STAGES": stages,
-        "TRANSPOSERS": transposers,
         "TRANSPOSER_REGS": transposer_regs,
     }
     return compile_for_sm90(_scaling_aware_transpose_sm90_kernel, signature, constexprs)
@@ -509,15 +493,14 @@ def launch_scaling_aware_transpose_sm90(
     scale_inv: torch.Tensor,
     group_end_offsets: torch.Tensor | None = None,
     stages: int = SM90_STAGES,
-    transposers: int = SM90_TRANSPOSERS,
     transposer_regs: int = SM90_TRANSPOSER_REGS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gluon launcher (Hopper GPUs only): the plain form (no ``src_rows``), ``data``'s base on a 16-byte
-    boundary. Same contract and bits as :func:`launch_scaling_aware_transpose`; ``stages``, ``transposers``
-    (2 or 4) and ``transposer_regs`` pin the kernel's settings (sweeps).
+    boundary. Same contract and bits as :func:`launch_scaling_aware_transpose`; ``stages`` and
+    ``transposer_regs`` pin the kernel's settings (sweeps).
 
     One program an SM walks the 128 x 128 tiles (row tile, then scale block); a loader warp keeps
-    ``stages`` of them in flight by TMA, ``transposers`` partitions of 4 warps re-encode each landed tile in
+    ``stages`` of them in flight by TMA, four partitions of 4 warps re-encode each landed tile in
     registers and TMA-store it transposed (``_sat_sm90_transposer``). The Triton kernel keeps one tile in
     flight per program at 25% occupancy, set by registers (ncu: 0.52 instructions issued per scheduler a
     cycle, 50-59% of DRAM bandwidth). Measured on an H200 (same inputs, bits equal, device time): the default
@@ -535,8 +518,6 @@ def launch_scaling_aware_transpose_sm90(
             f"the sm90 scaling_aware_transpose needs a Hopper GPU (compute capability 9.x), got {data.device}"
         )
     check_tma_operand("data", data)
-    if transposers not in (2, 4):
-        raise ValueError(f"transposers must be 2 or 4 (the kernel spells both partition lists out), got {transposers}")
     smem = (stages + 4) * BLOCK * BLOCK  # the ring's slots and 4 output buffers, E4M3 tiles
     if stages < 1 or smem > SM90_SMEM_BYTES:
         raise ValueError(
@@ -558,7 +539,6 @@ def launch_scaling_aware_transpose_sm90(
         0 if group_end_offsets is None else group_end_offsets.numel(),
         HAS_OFFSETS=group_end_offsets is not None,
         STAGES=stages,
-        TRANSPOSERS=transposers,
         TRANSPOSER_REGS=transposer_regs,
         num_warps=4,
     )
