@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from conftest import DEVICE
-from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows
+from fp8_helpers import assert_fp8_equal, assert_scales_equal, build_spills, edge_case_rows
 
 from fp8flow_ao.kernels.pad_group_offsets import pad_group_offsets_reference
 from fp8flow_ao.kernels.quantize_1x128 import launch_quantize_1x128
@@ -14,6 +15,7 @@ from fp8flow_ao.kernels.quantize_dual_1x128 import (
     DEFAULT_CONFIG,
     LaunchConfig,
     launch_quantize_dual_1x128,
+    launch_quantize_dual_1x128_sm90,
     quantize_dual_1x128,
     quantize_dual_1x128_configs,
     quantize_dual_1x128_reference,
@@ -22,6 +24,8 @@ from fp8flow_ao.kernels.unpermute_unpad import take_rows_or_zero
 
 SHAPES = [(128, 128), (256, 384), (384, 256), (0, 256)]
 NAMES = ("row_data", "row_scale", "col_data", "col_scale")
+# The two kernels of the plain form: Triton (any GPU, the CPU interpreter) and the Hopper TMA kernel.
+KERNELS = [pytest.param("triton", id="triton"), pytest.param("sm90", id="sm90", marks=pytest.mark.hopper)]
 
 
 def _grad(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -39,9 +43,12 @@ def _offsets(counts: list[int]) -> torch.Tensor:
 
 
 def _check_against_reference(
-    g: torch.Tensor, offsets: torch.Tensor | None = None, config: LaunchConfig = DEFAULT_CONFIG
+    g: torch.Tensor, offsets: torch.Tensor | None = None, config: LaunchConfig = DEFAULT_CONFIG, kernel: str = "triton"
 ) -> tuple[torch.Tensor, ...]:
-    out = launch_quantize_dual_1x128(g, offsets, config=config)
+    if kernel == "sm90":
+        out = launch_quantize_dual_1x128_sm90(g, offsets)
+    else:
+        out = launch_quantize_dual_1x128(g, offsets, config=config)
     expected = quantize_dual_1x128_reference(g.cpu(), None if offsets is None else offsets.cpu())
     for name, a, e in zip(NAMES, out, expected, strict=True):
         (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e, name)
@@ -79,26 +86,83 @@ def test_layouts_and_agreement_with_quantize_1x128():
     assert_scales_equal(col_scale, ref_col[1].t())
 
 
+@pytest.mark.hopper
+@pytest.mark.parametrize("shape", [(128, 128), (384, 640), (1280, 2048), (4096, 7168)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sm90_matches_reference(shape, dtype):
+    """The Hopper kernel: fewer tiles than SMs, and many tiles a program (the ring wraps, both partitions)."""
+    _check_against_reference(_grad(shape, dtype), kernel="sm90")
+
+
+def test_sm90_kernel_builds_for_hopper():
+    """Compiled for sm_90a without a GPU (the interpreter cannot run Gluon): every form builds within Hopper's
+    shared memory; bf16 does not spill (fp32 input, 64 values a thread in each layout: a few spill
+    instructions, 2 with triton 3.6's ptxas, 10 with 3.9's)."""
+    from fp8flow_ao.kernels._sm90_common import SM90_SMEM_BYTES
+
+    dtypes = ("bfloat16", "float32")
+    built = build_spills(
+        "quantize_dual_1x128",
+        [f"build_sm90_quantize_dual_kernel({o}, torch.{d})" for o in (True, False) for d in dtypes],
+    )
+    assert all(shared <= SM90_SMEM_BYTES for _, shared, _ in built), built
+    most = {"bfloat16": 0, "float32": 2 if triton.__version__.startswith("3.6.") else 16}
+    assert all(spills <= most[b.split("torch.")[1][:-1]] for b, _, spills in built), built
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize(("stages", "match"), [(0, "stages=0"), (9, "shared memory")])
+def test_sm90_refuses_settings_it_cannot_run(stages, match):
+    with pytest.raises(ValueError, match=match):
+        launch_quantize_dual_1x128_sm90(_grad((128, 128), torch.bfloat16), stages=stages)
+
+
+@pytest.mark.hopper
+def test_op_takes_the_sm90_kernel_where_tma_can_load(monkeypatch):
+    """On Hopper the op runs the TMA kernel for the plain form, and the Triton kernel for the gathering form
+    and for a ``g`` TMA cannot load (a row stride off a 16-byte boundary); the bits agree."""
+    import fp8flow_ao.kernels.quantize_dual_1x128 as module
+
+    calls = []
+    sm90 = module.launch_quantize_dual_1x128_sm90
+    monkeypatch.setattr(module, "launch_quantize_dual_1x128_sm90", lambda *a: calls.append(1) or sm90(*a))
+    offsets = _offsets([300, 0, 129])
+    wide = _grad((1024, 388), torch.bfloat16)  # rows of 776 bytes: TMA cannot load them
+    g = wide[:, :384].contiguous()
+    expected = quantize_dual_1x128_reference(g.cpu(), offsets.cpu())
+    outs = [quantize_dual_1x128(g, offsets)]
+    assert calls == [1]
+    outs.append(quantize_dual_1x128(wide[:, :384], offsets))
+    quantize_dual_1x128(g, offsets, torch.arange(1023, -1, -1, dtype=torch.int32, device=DEVICE))
+    assert calls == [1]
+    for out in outs:
+        for name, a, e in zip(NAMES, out, expected, strict=True):
+            (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e, name)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("transpose", [False, True])
-def test_edge_values_bit_exact(dtype, transpose):
+def test_edge_values_bit_exact(dtype, transpose, kernel):
     # Edge rows (amax 448, just over, ties, subnormals, zeros, signed zeros, NaN, inf) padded to 128
     # rows; transposed they become edge columns, probing the column-wise blocks.
     edge = edge_case_rows(256, "cpu", torch.float32)
     g = torch.cat([edge, torch.randn(120, 256)])
     g = (g.t() if transpose else g).contiguous().to(DEVICE, dtype)
-    _check_against_reference(g)
+    _check_against_reference(g, kernel=kernel)
 
 
-def test_edge_tiles_bit_exact():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_edge_tiles_bit_exact(kernel):
     # Each 128-row block is one edge case spread over a whole tile: every row and column block sees it.
     g = edge_case_rows(128 * 128, DEVICE, torch.bfloat16).reshape(8 * 128, 128)
-    _check_against_reference(g)
+    _check_against_reference(g, kernel=kernel)
 
 
-def test_row_stride_is_free():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_row_stride_is_free(kernel):
     g = _grad((256, 512), torch.bfloat16)[:, :256]
-    out = launch_quantize_dual_1x128(g)
+    out = launch_quantize_dual_1x128_sm90(g) if kernel == "sm90" else launch_quantize_dual_1x128(g)
     expected = quantize_dual_1x128_reference(g.contiguous().cpu())
     for name, a, e in zip(NAMES, out, expected, strict=True):
         (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e, name)
@@ -114,13 +178,14 @@ def test_row_stride_is_free():
         [1, 0, 130],  # skewed, buffer has slack past the last group
     ],
 )
-def test_group_end_offsets(counts):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_group_end_offsets(counts, kernel):
     m, n = 512, 256
     g = _grad((m, n), torch.bfloat16)
     offsets = _offsets(counts)
     end = int(offsets[-1])
     g[end:] = float("nan")  # rows past the end are never read: their NaN must not reach any output
-    row_data, row_scale, col_data, col_scale = _check_against_reference(g, offsets)
+    row_data, row_scale, col_data, col_scale = _check_against_reference(g, offsets, kernel=kernel)
     assert bool((row_data[end:].float() == 0).all()) and bool((row_scale[end:] == 0).all())
     assert bool((col_data[:, end:].float() == 0).all()) and bool((col_scale[end // 128 :] == 0).all())
     assert bool(torch.isfinite(row_data.float()).all()) and bool(torch.isfinite(col_data.float()).all())

@@ -341,6 +341,30 @@ def test_gather_op_dispatch_compile_and_opcheck():
     opcheck_fp8_inputs(torch.ops.fp8flow.scaling_aware_transpose.default, (data, scale_inv, offsets, src_rows, top_k))
 
 
+@pytest.mark.hopper
+def test_op_takes_the_sm90_kernel_for_the_plain_form(monkeypatch):
+    """On Hopper the op runs the TMA kernel for the plain form (16-byte aligned data) and the Triton kernel for
+    the gathering form and for data TMA cannot load (a base off a 16-byte boundary); the bits agree."""
+    import fp8flow_ao.kernels.scaling_aware_transpose as module
+
+    calls = []
+    sm90 = module.launch_scaling_aware_transpose_sm90
+    monkeypatch.setattr(module, "launch_scaling_aware_transpose_sm90", lambda *a: calls.append(1) or sm90(*a))
+    data, scale_inv, offsets = grouped_input([300, 0, 129], 1024, 384)
+    ref = scaling_aware_transpose_reference(data.cpu(), scale_inv.cpu(), offsets.cpu())
+    got = scaling_aware_transpose(data, scale_inv, offsets)
+    assert calls == [1]
+    unaligned = torch.empty(data.numel() + 1, dtype=torch.uint8, device=DEVICE)[1:].view(FP8_DTYPE).view(data.shape)
+    unaligned.copy_(data)
+    got_unaligned = scaling_aware_transpose(unaligned, scale_inv, offsets)
+    tokens, tok_scale, src_rows, tok_offsets, top_k = _routed_tokens()
+    scaling_aware_transpose(tokens, tok_scale, tok_offsets, src_rows, top_k)
+    assert calls == [1]
+    for out in (got, got_unaligned):
+        assert_fp8_equal(out[0], ref[0], "data_t")
+        assert_scales_equal(out[1], ref[1], "scale_inv_t")
+
+
 def test_no_rows():
     data_t, scale_t = scaling_aware_transpose(torch.empty(0, 256, dtype=FP8_DTYPE), torch.empty(0, 2))
     assert data_t.shape == (256, 0) and scale_t.shape == (0, 256)

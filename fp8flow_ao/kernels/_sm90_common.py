@@ -30,6 +30,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp8flow_ao._format import BLOCK
 from fp8flow_ao.kernels._grouped_gemm_common import cuda_index
+from fp8flow_ao.kernels._triton_common import last_group_end
 
 # Rows of the tile each consumer warpgroup owns: one m64 wgmma row block.
 WG_ROWS = gl.constexpr(64)
@@ -41,7 +42,12 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # Shared memory one CTA may use on Hopper (227 KiB), for the stage-count check.
 SM90_SMEM_BYTES = 227 * 1024
-_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+_GL_DTYPES = {
+    torch.float8_e4m3fn: gl.float8e4nv,
+    torch.bfloat16: gl.bfloat16,
+    torch.float16: gl.float16,
+    torch.float32: gl.float32,
+}
 
 
 def _fp8_view_of_slots(reinterpret_name: str) -> Any:
@@ -72,6 +78,31 @@ def _fp8_view_of_slots(reinterpret_name: str) -> Any:
 fp8_view_of_slots = _fp8_view_of_slots(
     "reinterpret" if hasattr(gl.shared_memory_descriptor, "reinterpret") else "_reinterpret"
 )
+
+
+# A barrier of the calling partition's warps: gl.thread_barrier on triton 3.6, renamed gl.barrier later.
+partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def tile_ring_loader(in_desc, in_bufs, ready, empty, offsets_ptr, M, N, num_groups, HAS_OFFSETS: gl.constexpr):
+    """One warp of a persistent memory-bound kernel: TMA loads of this program's 128 x 128 tiles of an
+    ``[M, N]`` operand (program ``p`` takes tiles ``p, p + programs, ...``, row tile major, column block
+    minor) into the ring ``in_bufs`` (``ready`` / ``empty`` mbarriers a slot, one arrival each). A tile
+    wholly at or past the last group end is not read: its slot is marked ready without bytes."""
+    STAGES: gl.constexpr = in_bufs.type.shape[0]
+    end = last_group_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
+    num_nb = N // SM90_BLOCK
+    for t in range(gl.program_id(0), (M // SM90_BLOCK) * num_nb, gl.num_programs(0)):
+        it = t // gl.num_programs(0)  # this program's tile count so far
+        s = it % STAGES
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        row0 = (t // num_nb) * SM90_BLOCK
+        if row0 < end:
+            mbarrier.expect(ready.index(s), in_desc.block_type.nbytes)
+            tma_load(in_desc, [row0, (t % num_nb) * SM90_BLOCK], ready.index(s), in_bufs.index(s))
+        else:
+            mbarrier.arrive(ready.index(s), count=1)
 
 
 @dataclass(frozen=True)
@@ -185,6 +216,18 @@ def sm90_supported(device: torch.device) -> bool:
 def _is_hopper(device_index: int) -> bool:
     # Cached: asked on every grouped GEMM launch, and torch's query is Python on a host-bound step.
     return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def sm90_takes_plain_form(t: torch.Tensor, src_rows: torch.Tensor | None) -> bool:
+    """Whether a memory-bound op with a Hopper TMA kernel of its plain form (``quantize_dual_1x128``,
+    ``scaling_aware_transpose``) runs it on input ``t``: no row gather (TMA cannot gather rows), a Hopper GPU,
+    and ``t``'s base and row stride on 16-byte boundaries (TMA's rule). Else the op runs its Triton kernel."""
+    return (
+        src_rows is None
+        and sm90_supported(t.device)
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * t.element_size()) % 16 == 0
+    )
 
 
 def sm90_or(sm90_launcher: Callable[..., Any], other_launcher: Callable[..., Any]) -> Callable[..., Any]:

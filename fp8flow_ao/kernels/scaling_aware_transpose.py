@@ -19,6 +19,10 @@ Special scales: a pad row (``scale_inv = 0``) never raises a tile's max and re-e
 only pad rows gets data 0 and scale 0 (no 0/0). A row block with ``scale_inv = +inf`` (non-finite
 input) makes its tile's scale +inf, so every element of that tile dequantizes to a non-finite value.
 Rows at or past ``group_end_offsets[-1]`` are not read: data 0, scale 0.
+
+Kernels: on Hopper the plain form runs a warp-specialized TMA-ring kernel (``launch_scaling_aware_transpose_sm90``,
+0.79-0.93x the Triton kernel's device time, 68-78% of copy bandwidth); the gathering form (``src_rows``), other
+GPUs and data TMA cannot load run the Triton kernel (``launch_scaling_aware_transpose``). Same bits.
 """
 
 from __future__ import annotations
@@ -54,8 +58,10 @@ from fp8flow_ao.kernels._sm90_common import (
     compile_for_sm90,
     descriptor,
     descriptor_signature,
+    partition_barrier,
     sm90_supported,
-    tma_load,
+    sm90_takes_plain_form,
+    tile_ring_loader,
     tma_store,
 )
 from fp8flow_ao.kernels._triton_common import last_group_end, transpose_row_slices
@@ -296,35 +302,13 @@ def _scaling_aware_transpose_kernel(
         x0, x1, x2, x3, s0, s1, s2, s3 = n0, n1, n2, n3, t0, t1, t2, t3
 
 
-# The Hopper kernel (TMA ring, warp-specialized) of the plain form, through its own launcher
-# (launch_scaling_aware_transpose_sm90) until its pending GPU checks make it the op's kernel on sm_90 (its
-# docstring). The gathering form stays on the Triton kernel (Hopper's TMA cannot gather rows).
+# The Hopper kernel (TMA ring, warp-specialized) of the plain form: the op's kernel on sm_90 (_launch_op_kernel).
+# The gathering form stays on the Triton kernel (Hopper's TMA cannot gather rows).
 SM90_STAGES = 8  # landed input tiles in flight (16 KiB each): ~4x what 4.2 TB/s x ~1 us asks of an SM
 # Partitions of 4 warps that take the landed tiles in turn, an output buffer each: 4 (16 warps re-encoding;
 # 2 were too few: 1.04-1.17x the Triton kernel's time, memory_bound_notes.md).
 SM90_TRANSPOSERS = 4
 SM90_TRANSPOSER_REGS = 96
-# A barrier of the calling partition's warps: gl.thread_barrier on triton 3.6, renamed gl.barrier later.
-_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-
-@gluon.jit
-def _sat_sm90_loader(in_desc, in_bufs, ready, empty, offsets_ptr, M, K, num_groups, HAS_OFFSETS: gl.constexpr):
-    """One warp: TMA loads of this program's 128 x 128 tiles (row tile, then scale block) into the ring. A
-    tile wholly at or past the last group end is not read: its slot is marked ready without bytes."""
-    STAGES: gl.constexpr = in_bufs.type.shape[0]
-    end = last_group_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
-    num_kb = K // SM90_BLOCK
-    for t in range(gl.program_id(0), (M // SM90_BLOCK) * num_kb, gl.num_programs(0)):
-        it = t // gl.num_programs(0)  # this program's tile count so far
-        s = it % STAGES
-        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-        row0 = (t // num_kb) * SM90_BLOCK
-        if row0 < end:
-            mbarrier.expect(ready.index(s), in_desc.block_type.nbytes)
-            tma_load(in_desc, [row0, (t % num_kb) * SM90_BLOCK], ready.index(s), in_bufs.index(s))
-        else:
-            mbarrier.arrive(ready.index(s), count=1)
 
 
 @gluon.jit
@@ -359,7 +343,7 @@ def _sat_sm90_transposer(PART: gl.constexpr, PARTS: gl.constexpr, HAS_OFFSETS: g
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         x = in_bufs.index(s).load(layout)
         # Every warp has read the slot before it is freed: the barrier of this partition's warps.
-        _partition_barrier()
+        partition_barrier()
         mbarrier.arrive(empty.index(s), count=1)
         if row0 + SM90_BLOCK > end:  # rows past the end may hold anything (NaN times 0 is NaN): zeroed
             rows = row0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(1, layout))
@@ -408,7 +392,7 @@ def _scaling_aware_transpose_sm90_kernel(
             (_sat_sm90_transposer, (1, 4, HAS_OFFSETS, ring, tensors)),
             (_sat_sm90_transposer, (2, 4, HAS_OFFSETS, ring, tensors)),
             (_sat_sm90_transposer, (3, 4, HAS_OFFSETS, ring, tensors)),
-            (_sat_sm90_loader, (in_desc, in_bufs, ready, empty, offsets_ptr, M, K, num_groups, HAS_OFFSETS)),
+            (tile_ring_loader, (in_desc, in_bufs, ready, empty, offsets_ptr, M, K, num_groups, HAS_OFFSETS)),
         ],
         [4, 4, 4, 1],
         [TRANSPOSER_REGS, TRANSPOSER_REGS, TRANSPOSER_REGS, 40],
@@ -504,11 +488,9 @@ def launch_scaling_aware_transpose_sm90(
     registers and TMA-store it transposed (``_sat_sm90_transposer``). The Triton kernel keeps one tile in
     flight per program at 25% occupancy, set by registers (ncu: 0.52 instructions issued per scheduler a
     cycle, 50-59% of DRAM bandwidth). Measured on an H200 (same inputs, bits equal, device time): the default
-    (8 stages, 4 transposers at 96 registers) 0.88-0.90x the Triton kernel's time at K = 7168, 75-78% of copy
-    bandwidth; 2 transposers at 128 registers 1.04-1.17x (too few warps for the re-encoding). Not yet the
-    op's kernel: its K = 2048 timing and its GPU tests without offsets (a constexpr the loader had lost,
-    found by those tests and fixed after the session's last GPU run) are pending
-    (``benchmarks/results/memory_bound_notes.md``).
+    (8 stages, 4 transposers at 96 registers) 0.88-0.91x the Triton kernel's time at K = 7168 (75-78% of copy
+    bandwidth) and 0.79-0.93x at K = 2048 (69-74%); 2 transposers at 128 registers 1.04-1.17x (too few warps for
+    the re-encoding). The op's kernel for the plain form on Hopper (``benchmarks/results/memory_bound_notes.md``).
     """
     m, k = data.shape
     data_t = torch.empty((k, m), dtype=FP8_DTYPE, device=data.device)
@@ -606,7 +588,22 @@ def gather_transpose_reference(
 _scaling_aware_transpose_op = define_op("scaling_aware_transpose")(gather_transpose_reference)
 
 
-_scaling_aware_transpose_op.register_kernel("cuda")(launch_scaling_aware_transpose)
+def _launch_op_kernel(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    group_end_offsets: torch.Tensor | None,
+    src_rows: torch.Tensor | None,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's CUDA kernel: the Hopper TMA kernel for the plain form where ``data`` starts on a
+    16-byte boundary (TMA's rule), the Triton kernel otherwise (the gathering form: TMA cannot gather
+    rows; other GPUs). Same bits either way."""
+    if sm90_takes_plain_form(data, src_rows):
+        return launch_scaling_aware_transpose_sm90(data, scale_inv, group_end_offsets)
+    return launch_scaling_aware_transpose(data, scale_inv, group_end_offsets, src_rows, top_k)
+
+
+_scaling_aware_transpose_op.register_kernel("cuda")(_launch_op_kernel)
 
 
 @_scaling_aware_transpose_op.register_fake
