@@ -42,6 +42,7 @@ from _bench import (  # noqa: E402
 )
 
 from fp8flow_ao._format import BLOCK  # noqa: E402
+from fp8flow_ao.kernels._sm90_common import sm90_takes_plain_form  # noqa: E402
 from fp8flow_ao.kernels.pad_group_offsets import pad_group_offsets  # noqa: E402
 from fp8flow_ao.kernels.quantize_dual_1x128 import (  # noqa: E402
     DEFAULT_CONFIG,
@@ -90,7 +91,8 @@ def gathered_rows(compiled) -> list[dict]:
             for _ in range(n_rotations(bytes_moved))
         ]
         case = f"M={m} N={D} gathered into {padded} padded rows (E={GATHER_EXPERTS} unaligned)"
-        rows.append(versus_baseline(case, quantize_dual_1x128, compiled, BASELINE, sets, bytes_moved))
+        kernel = f"triton {DEFAULT_CONFIG}"  # gathering: TMA cannot gather rows
+        rows.append(versus_baseline(case, quantize_dual_1x128, compiled, BASELINE, sets, bytes_moved, kernel=kernel))
     return rows
 
 
@@ -116,7 +118,10 @@ def main() -> None:
         if args.sweep:
             rows += sweep_rows(case, compiled, sets, bytes_moved)
         else:
-            rows.append(versus_baseline(case, quantize_dual_1x128, compiled, BASELINE, sets, bytes_moved))
+            kernel = "sm90 TMA ring" if sm90_takes_plain_form(sets[0][0], None) else f"triton {DEFAULT_CONFIG}"
+            rows.append(
+                versus_baseline(case, quantize_dual_1x128, compiled, BASELINE, sets, bytes_moved, kernel=kernel)
+            )
         del sets
         torch.cuda.empty_cache()
     if not args.sweep:

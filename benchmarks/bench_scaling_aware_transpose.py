@@ -35,6 +35,7 @@ from _bench import (  # noqa: E402
 )
 
 from fp8flow_ao._format import BLOCK, quantize_rows_reference  # noqa: E402
+from fp8flow_ao.kernels._sm90_common import sm90_takes_plain_form  # noqa: E402
 from fp8flow_ao.kernels.scaling_aware_transpose import (  # noqa: E402
     default_transpose_config,
     dequantize_transpose_requantize_reference,
@@ -114,7 +115,9 @@ def main() -> None:
                     del sets, first
                     torch.cuda.empty_cache()
                     continue
-                extra["config"] = str(default_transpose_config(k))
+                # The op's kernel here: the Hopper TMA kernel (plain form), else the Triton kernel's config.
+                hopper = sm90_takes_plain_form(first[0], None)
+                extra["kernel"] = "sm90 TMA ring" if hopper else f"triton {default_transpose_config(k)}"
                 vs_ref = versus_baseline(
                     case, scaling_aware_transpose, compiled_ref, "torch.compile reference", sets, nbytes
                 )
