@@ -57,3 +57,20 @@ def test_descriptor_key_holds_what_triton_specializes_on():
     assert _launch._descriptor_key(descriptor(a, (128, 128))) != _launch._descriptor_key(descriptor(a, (64, 128)))
     c = torch.empty(256, 256, dtype=torch.bfloat16)
     assert _launch._descriptor_key(descriptor(a, (128, 128))) != _launch._descriptor_key(descriptor(c, (128, 128)))
+
+
+def test_plain_form_takes_the_sm90_kernel_only_where_tma_can_load_it(monkeypatch):
+    """The host-side rule of the ops with a Hopper kernel of their plain form (quantize_dual_1x128,
+    scaling_aware_transpose): no row gather, a Hopper GPU, base and row stride on 16-byte boundaries."""
+    from fp8flow_ao.kernels import _sm90_common
+
+    takes = _sm90_common.sm90_takes_plain_form
+    buf = torch.empty(64 * 272, dtype=torch.bfloat16)  # CPU allocations start on 64-byte boundaries
+    aligned = buf[: 64 * 256].view(64, 256)
+    assert not takes(aligned, None)  # not a Hopper GPU
+    monkeypatch.setattr(_sm90_common, "sm90_supported", lambda device: True)
+    assert takes(aligned, None)
+    assert takes(buf.view(64, 272)[:, :256], None)  # rows of 544 bytes
+    assert not takes(aligned, torch.zeros(64, dtype=torch.int32))  # gathering
+    assert not takes(buf[1 : 1 + 64 * 256].view(64, 256), None)  # base 2 bytes off
+    assert not takes(buf[: 64 * 260].view(64, 260)[:, :256], None)  # rows of 520 bytes
