@@ -150,7 +150,7 @@ def _quantize_dual_1x128_kernel(
     through shared memory).
     """
     # The last padded group end, read on the device: rows at or past it are padding.
-    end = tl.load(offsets_ptr + num_groups - 1) if HAS_OFFSETS else M
+    end = last_group_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
     tile = tl.program_id(0)
     tiles_n = N // TILE
     tile_n = tile % tiles_n

@@ -264,10 +264,8 @@ def _scaling_aware_transpose_kernel(
     row0 = pid_m * _TL_BLOCK
     idx = tl.arange(0, _TL_BLOCK)  # rows, or columns, of the square tile
     quads = tl.arange(0, _TL_BLOCK // 4)
-    rows_end = M
-    if HAS_OFFSETS:  # rows at/after the last group end are neither read nor computed
-        rows_end = tl.minimum(tl.load(group_end_offsets_ptr + num_groups - 1), M)
-    valid_rows = rows_end - row0  # of this row tile
+    # rows at/after the last group end are neither read nor computed
+    valid_rows = last_group_end(group_end_offsets_ptr, num_groups, M, HAS_OFFSETS) - row0  # of this row tile
     if GATHER:  # token rows anywhere in data: int64 row offsets from its start
         data_rows = data_ptr
         scale_rows = scale_inv_ptr
@@ -493,8 +491,6 @@ def launch_scaling_aware_transpose_sm90(
     the re-encoding). The op's kernel for the plain form on Hopper (``benchmarks/results/memory_bound_notes.md``).
     """
     m, k = data.shape
-    data_t = torch.empty((k, m), dtype=FP8_DTYPE, device=data.device)
-    scale_inv_t = torch.empty((m // BLOCK, k), dtype=torch.float32, device=data.device)
     if not sm90_supported(data.device):
         raise RuntimeError(
             f"the sm90 scaling_aware_transpose needs a Hopper GPU (compute capability 9.x), got {data.device}"
@@ -505,6 +501,8 @@ def launch_scaling_aware_transpose_sm90(
         raise ValueError(
             f"stages={stages}: the ring and 4 output buffers need {smem} bytes of shared memory, at most {SM90_SMEM_BYTES}"
         )
+    data_t = torch.empty((k, m), dtype=FP8_DTYPE, device=data.device)
+    scale_inv_t = torch.empty((m // BLOCK, k), dtype=torch.float32, device=data.device)
     if m == 0 or k == 0:
         return data_t, scale_inv_t
     tiles = (m // BLOCK) * (k // BLOCK)
