@@ -15,10 +15,12 @@ Baselines (speed-up = baseline time / ours):
   ``quantize_1x128``; backward: the BF16 SwiGLU backward math, ``quantize_1x128`` of ``dh`` and
   ``quantize_1x128`` of ``dh.t().contiguous()``.
 
-Ours is timed through its launcher (the op's CUDA kernel, with its output allocation); ``device_us``
-is its device time with the host excluded (``_bench.device_us``), next to ``ours_us``.
-``--sweep`` times the launch configurations instead (``ours_us`` and ``device_us`` each), to choose
-FORWARD_CONFIG / BACKWARD_CONFIG.
+Ours is timed through the forward's launcher and the public backward op, each with its output allocation
+(the forward's Triton kernel; the backward's Hopper TMA kernel on Hopper, the Triton kernel elsewhere; each
+row names it); ``device_us`` is
+its device time with the host excluded (``_bench.device_us``), next to ``ours_us``. ``--sweep`` times the
+Triton launch configurations instead (``ours_us`` and ``device_us`` each), to choose FORWARD_CONFIG /
+BACKWARD_CONFIG.
 
     python benchmarks/bench_swiglu_quant.py [--sweep]
 """
@@ -49,12 +51,16 @@ from _bench import (  # noqa: E402
 )
 
 from fp8flow_ao._format import BLOCK  # noqa: E402
+from fp8flow_ao.kernels._sm90_common import sm90_supported  # noqa: E402
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128  # noqa: E402
 from fp8flow_ao.kernels.swiglu_quant import (  # noqa: E402
+    BACKWARD_CONFIG,
+    FORWARD_CONFIG,
     LaunchConfig,
     backward_configs,
     launch_swiglu_quant,
     launch_swiglu_quant_backward,
+    swiglu_quant_backward,
     swiglu_quant_backward_reference,
     swiglu_quant_reference,
 )
@@ -143,7 +149,7 @@ def run_cases(sweep: bool) -> list[dict]:
             ),
             (
                 "backward",
-                launch_swiglu_quant_backward,
+                launch_swiglu_quant_backward if sweep else swiglu_quant_backward,
                 sets,
                 bwd_bytes,
                 SWEEP_BACKWARD,
@@ -162,11 +168,21 @@ def run_cases(sweep: bool) -> list[dict]:
                     results.append(row(case, us, "none", None, **common, device_us=dev, config=str(cfg)))
                 continue
             ours, dev = bench_us(launch, args), device_us(launch, args)
+            kernel = _kernel_name(direction)
             for name, fn, base_args in baselines:
-                results.append(row(case, ours, name, bench_us(fn, base_args), **common, device_us=dev, **extra))
+                results.append(
+                    row(case, ours, name, bench_us(fn, base_args), **common, device_us=dev, kernel=kernel, **extra)
+                )
         del sets, fwd_sets
         torch.cuda.empty_cache()
     return results
+
+
+def _kernel_name(direction: str) -> str:
+    """The kernel the op runs here (the benchmark's inputs are TMA-aligned fresh tensors)."""
+    if direction == "backward" and sm90_supported(torch.device("cuda")):
+        return "sm90 TMA ring"
+    return f"triton {FORWARD_CONFIG if direction == 'forward' else BACKWARD_CONFIG}"
 
 
 def main() -> None:
@@ -178,7 +194,7 @@ def main() -> None:
         return
     rows = run_cases(args.sweep)
     notes = (
-        "Ours = the Triton kernels through their launchers. GB/s at the algorithmic minimum (see the "
+        "Ours = the forward's launcher, the public backward op (column 'kernel': the kernel each ran). GB/s at the algorithmic minimum (see the "
         "script's docstring); speed-up = baseline / ours. " + DEVICE_NOTE
     )
     write_results("swiglu_quant_sweep" if args.sweep else "swiglu_quant", rows, notes)

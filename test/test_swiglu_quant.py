@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
-from fp8_helpers import assert_fp8_close, assert_scales_equal
+import triton
+from conftest import DEVICE, IS_HOPPER
+from fp8_helpers import assert_fp8_close, assert_scales_equal, build_spills
 
 from fp8flow_ao._format import BLOCK, dequantize_rows_reference
 from fp8flow_ao.kernels.swiglu_quant import (
     backward_configs,
     launch_swiglu_quant,
     launch_swiglu_quant_backward,
+    launch_swiglu_quant_backward_sm90,
     swiglu_backward_reference,
     swiglu_quant,
     swiglu_quant_backward,
@@ -46,6 +48,8 @@ GROUPS = {
 # Where the router prob enters, as (with probs, score_before_experts): none, scaling SwiGLU's output
 # (torchtitan's score_before_experts=False) or its inputs (score_before_experts=True, Llama 4).
 PROB_MODES = {"no_probs": (False, False), "after": (True, False), "before": (True, True)}
+# The backward's kernels: the Triton one (GPU or interpreter) and the Hopper TMA one (the op's on Hopper).
+KERNELS = [pytest.param("triton", id="triton"), pytest.param("sm90", id="sm90", marks=pytest.mark.hopper)]
 
 
 def _ends(counts: list[int] | None) -> torch.Tensor | None:
@@ -81,8 +85,15 @@ def _assert_forward_matches(h, probs, ends, before: bool = False) -> tuple[torch
     return data, scale
 
 
-def _assert_backward_matches(grad_a, h, probs, ends, before: bool = False, **config) -> tuple[torch.Tensor, ...]:
-    out = launch_swiglu_quant_backward(grad_a, h, probs, ends, before, **config)
+def _backward(grad_a, h, probs, ends, before: bool = False, kernel: str = "triton", **config) -> tuple:
+    if kernel == "sm90":
+        return launch_swiglu_quant_backward_sm90(grad_a, h, probs, ends, before)
+    return launch_swiglu_quant_backward(grad_a, h, probs, ends, before, **config)
+
+
+def _assert_backward_matches(grad_a, h, probs, ends, before: bool = False, **kw) -> tuple[torch.Tensor, ...]:
+    """``kw``: ``kernel`` (``"triton"``, ``"sm90"``) and the Triton kernel's ``config``."""
+    out = _backward(grad_a, h, probs, ends, before, **kw)
     ref = swiglu_quant_backward_reference(grad_a.cpu(), h.cpu(), _cpu(probs), _cpu(ends), before)
     for name, got, want in zip(("dh", "dh_scale", "dh_t", "dh_t_scale"), out[:4], ref[:4], strict=True):
         if name.endswith("scale"):
@@ -122,14 +133,15 @@ def test_forward_matches_reference(group, mode):
     assert not bool(data[past].float().any()) and not bool(scale[past].any())
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("group", list(GROUPS))
 @pytest.mark.parametrize("mode", list(PROB_MODES))
-def test_backward_matches_reference(group, mode):
+def test_backward_matches_reference(group, mode, kernel):
     m, hidden, counts = GROUPS[group]
     with_probs, before = PROB_MODES[mode]
     h, grad_a, probs = _inputs(m, hidden, with_probs)
     ends = _ends(counts)
-    dh, dh_scale, dh_t, dh_t_scale, grad_probs = _assert_backward_matches(grad_a, h, probs, ends, before)
+    dh, dh_scale, dh_t, dh_t_scale, grad_probs = _assert_backward_matches(grad_a, h, probs, ends, before, kernel=kernel)
     past = _rows_past_end(m, ends)
     assert not bool(dh[past].float().any()) and not bool(dh_scale[past].any())
     assert not bool(dh_t[:, past].float().any())
@@ -155,17 +167,24 @@ def test_realistic_size_on_gpu(before):
     h, grad_a, probs = _inputs(4096, 2048)
     ends = _ends([1000, 0, 2500, 7, 0, 300])
     _assert_forward_matches(h, probs, ends, before)
-    _assert_backward_matches(grad_a, h, probs, ends, before)
+    out = _assert_backward_matches(grad_a, h, probs, ends, before)
+    if IS_HOPPER:  # the TMA kernel: many tiles a program (the ring wraps); the same dh bits as the Triton kernel
+        sm90 = _assert_backward_matches(grad_a, h, probs, ends, before, kernel="sm90")
+        _assert_identical(sm90[:4], out[:4])
+        _assert_grad_probs_close(sm90[4], out[4].cpu())
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("before", [False, True], ids=["after", "before"])
-def test_rows_past_end_are_not_read(before):
-    """NaN past the last group end must not leak into anything."""
-    h, grad_a, probs = _inputs(256, 128)
+def test_rows_past_end_are_not_read(before, kernel):
+    """NaN past the last group end must not leak into anything (an end inside a tile, and a tile wholly past it)."""
+    h, grad_a, probs = _inputs(384, 128)
     ends = torch.tensor([128], device=DEVICE, dtype=torch.int32)
     h[128:], grad_a[128:], probs[128:] = float("nan"), float("nan"), float("nan")
     data, scale = _assert_forward_matches(h, probs, ends, before)
-    dh, dh_scale, dh_t, dh_t_scale, grad_probs = _assert_backward_matches(grad_a, h, probs, ends, before)
+    dh, dh_scale, dh_t, dh_t_scale, grad_probs = _assert_backward_matches(grad_a, h, probs, ends, before, kernel=kernel)
+    inside = _assert_backward_matches(grad_a, h, probs, ends + 57, before, kernel=kernel)
+    assert not bool(inside[0][185:].float().any()) and not bool(inside[4][185:].any())
     for t in (data[128:], scale[128:], dh[128:], dh_scale[128:], dh_t[:, 128:], dh_t_scale[1:], grad_probs[128:]):
         assert not bool(t.float().isnan().any()) and not bool(t.float().any())
 
@@ -232,11 +251,12 @@ def test_end_to_end_numerics_vs_fp64_autograd(before):
     assert bool(((grad_probs.cpu().double() - p64.grad).abs() <= 1e-5 * terms).all())
 
 
-def test_zeros():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_zeros(kernel):
     h = torch.zeros(128, 256, device=DEVICE, dtype=torch.bfloat16)
     grad_a = torch.zeros(128, 128, device=DEVICE, dtype=torch.bfloat16)
     data, scale = _assert_forward_matches(h, None, None)
-    dh, dh_scale, dh_t, dh_t_scale, _ = _assert_backward_matches(grad_a, h, None, None)
+    dh, dh_scale, dh_t, dh_t_scale, _ = _assert_backward_matches(grad_a, h, None, None, kernel=kernel)
     for t in (data, dh, dh_t):
         assert not bool(t.float().any())
     # an all-zero block keeps a tiny finite scale, never 0 (that is reserved for rows past the end)
@@ -244,7 +264,8 @@ def test_zeros():
         assert bool((s > 0).all()) and bool((s < 1e-10).all())
 
 
-def test_large_values():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_large_values(kernel):
     """Gates far into both saturated ends of the sigmoid (exp overflows to inf) and values near bf16's top."""
     h, grad_a, probs = _inputs(128, 128, spread=0.0)
     h[:, :128] *= 100.0  # gates ~ +-100: exp(-g) is 0 or inf in fp32
@@ -252,18 +273,19 @@ def test_large_values():
     h[64:, 128:] *= 1e4
     grad_a[:32] *= 1e4
     data, scale = _assert_forward_matches(h, probs, None)
-    _assert_backward_matches(grad_a, h, probs, None)
+    _assert_backward_matches(grad_a, h, probs, None, kernel=kernel)
     assert bool(torch.isfinite(scale[64:]).all())
     assert not bool(torch.isfinite(dequantize_rows_reference(data[:64].cpu(), scale[:64].cpu(), BLOCK)).all())
 
 
-def test_nan_propagates():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nan_propagates(kernel):
     h, grad_a, probs = _inputs(128, 128)
     h[3, 5] = float("nan")  # gate: a, d_gate and d_up of that element
     h[7, 128 + 9] = float("nan")  # up: a and d_gate of that element
     h[11, :128] = float("nan")  # a whole gate row: every block of row 11 is all NaN
     data, scale = _assert_forward_matches(h, probs, None)
-    dh, dh_scale, dh_t, dh_t_scale, grad_probs = _assert_backward_matches(grad_a, h, probs, None)
+    dh, dh_scale, dh_t, dh_t_scale, grad_probs = _assert_backward_matches(grad_a, h, probs, None, kernel=kernel)
     a = dequantize_rows_reference(data.cpu(), scale.cpu(), BLOCK)
     assert bool(a[3, 5].isnan()) and bool(a[7, 9].isnan()) and bool(a[11].isnan().all())
     assert int(a.isnan().sum()) == 2 + 128
@@ -274,11 +296,46 @@ def test_nan_propagates():
     assert bool(grad_probs[[3, 7, 11]].isnan().all()) and int(grad_probs.isnan().sum()) == 3
 
 
-def test_row_stride_is_free():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_row_stride_is_free(kernel):
     wide = torch.randn(128, 512, device=DEVICE).to(torch.bfloat16)
     h, grad_a = wide[:, :256], wide[:, 256:384]
     _assert_forward_matches(h, None, None)
-    _assert_backward_matches(grad_a, h, None, None)
+    _assert_backward_matches(grad_a, h, None, None, kernel=kernel)
+
+
+def test_sm90_kernel_builds_for_hopper():
+    """The Hopper kernel compiled for sm_90a without a GPU (the interpreter cannot run Gluon), as each form's
+    launch specializes it: within Hopper's shared memory; no spill with triton 3.6's ptxas (the GPU image's).
+    Triton 3.9 keeps d_up's sigmoid for d_gate instead of recomputing it, and spills (130-300 local-memory
+    instructions) at the 96 registers the default partition gets."""
+    from fp8flow_ao.kernels._sm90_common import SM90_SMEM_BYTES
+
+    most = 0 if triton.__version__.startswith("3.6.") else 400
+    forms = [(True, False, True), (False, False, True), (True, True, True), (True, False, False)]
+    built = build_spills("swiglu_quant", [f"build_sm90_swiglu_backward_kernel{f}" for f in forms])
+    assert all(shared <= SM90_SMEM_BYTES and spills <= most for _, shared, spills in built), built
+
+
+@pytest.mark.hopper
+def test_op_takes_the_sm90_kernel_where_tma_can_load(monkeypatch):
+    """On Hopper the op runs the TMA kernel where TMA can load ``grad_a`` and ``h``, the Triton kernel for a row
+    stride off a 16-byte boundary; the dh bits agree."""
+    import fp8flow_ao.kernels.swiglu_quant as module
+
+    calls = []
+    sm90 = module.launch_swiglu_quant_backward_sm90
+    monkeypatch.setattr(module, "launch_swiglu_quant_backward_sm90", lambda *a: calls.append(1) or sm90(*a))
+    h, grad_a, probs = _inputs(512, 256)
+    ends = _ends([300, 0, 129])
+    taken = swiglu_quant_backward(grad_a, h, probs, ends)
+    assert calls == [1]
+    odd = torch.empty(512, 260, device=DEVICE, dtype=torch.bfloat16)[:, :256]  # rows of 520 bytes
+    odd.copy_(grad_a)
+    triton_out = swiglu_quant_backward(odd, h, probs, ends)
+    assert calls == [1]
+    _assert_identical(taken[:4], triton_out[:4])
+    _assert_grad_probs_close(taken[4], triton_out[4].cpu())
 
 
 def test_no_rows():

@@ -85,12 +85,17 @@ partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
-def tile_ring_loader(in_desc, in_bufs, ready, empty, offsets_ptr, M, N, num_groups, HAS_OFFSETS: gl.constexpr):
+def tile_ring_loader(sources, in_bufs, ready, empty, offsets_ptr, M, N, num_groups, HAS_OFFSETS: gl.constexpr):
     """One warp of a persistent memory-bound kernel: TMA loads of this program's 128 x 128 tiles of an
-    ``[M, N]`` operand (program ``p`` takes tiles ``p, p + programs, ...``, row tile major, column block
-    minor) into the ring ``in_bufs`` (``ready`` / ``empty`` mbarriers a slot, one arrival each). A tile
-    wholly at or past the last group end is not read: its slot is marked ready without bytes."""
-    STAGES: gl.constexpr = in_bufs.type.shape[0]
+    ``[M, N]`` grid (program ``p`` takes tiles ``p, p + programs, ...``, row tile major, column block
+    minor) into the ring ``in_bufs`` (``ready`` / ``empty`` mbarriers a slot, one arrival each).
+
+    ``sources``: a tuple of ``(desc, col)``, one box per source a tile (boxes of one shape and dtype): tile
+    ``(r, c)``'s box of source ``i`` is ``desc``'s at ``[128 r, col + 128 c]``, landing in ``in_bufs.index(slot *
+    len(sources) + i)`` (a slot is ``len(sources)`` buffers). A tile wholly at or past the last group end is
+    not read: its slot is marked ready without bytes."""
+    SOURCES: gl.constexpr = len(sources)
+    STAGES: gl.constexpr = in_bufs.type.shape[0] // SOURCES
     end = last_group_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
     num_nb = N // SM90_BLOCK
     for t in range(gl.program_id(0), (M // SM90_BLOCK) * num_nb, gl.num_programs(0)):
@@ -99,8 +104,10 @@ def tile_ring_loader(in_desc, in_bufs, ready, empty, offsets_ptr, M, N, num_grou
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         row0 = (t // num_nb) * SM90_BLOCK
         if row0 < end:
-            mbarrier.expect(ready.index(s), in_desc.block_type.nbytes)
-            tma_load(in_desc, [row0, (t % num_nb) * SM90_BLOCK], ready.index(s), in_bufs.index(s))
+            mbarrier.expect(ready.index(s), SOURCES * sources[0][0].block_type.nbytes)
+            for i in gl.static_range(SOURCES):
+                desc, col = sources[i]
+                tma_load(desc, [row0, col + (t % num_nb) * SM90_BLOCK], ready.index(s), in_bufs.index(s * SOURCES + i))
         else:
             mbarrier.arrive(ready.index(s), count=1)
 
@@ -287,14 +294,25 @@ def descriptor_signature(block: tuple[int, ...], dtype: torch.dtype) -> str:
     return f"tensordesc<{_GL_DTYPES[dtype]}[{dims}],{_nvmma_layout(block, dtype)!r}>"
 
 
-def compile_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> Any:
+def compile_for_sm90(
+    kernel: Any,
+    signature: dict[str, str],
+    constexprs: dict[str, Any],
+    num_warps: int = 4,
+    aligned: tuple[str, ...] = (),
+    **options: Any,
+) -> Any:
     """Compile a Gluon or Triton kernel for sm_90a without a GPU (Triton's bundled ptxas): a build check
     (the CPU interpreter runs kernels without compiling them), and the cubin and SASS for inspection
-    (``.asm["cubin"]``). ``num_warps``: a Gluon kernel's default partition, a Triton kernel's warps."""
+    (``.asm["cubin"]``). ``num_warps``: a Gluon kernel's default partition, a Triton kernel's warps;
+    ``aligned``: the parameters a launch specializes as multiples of 16 (pointers of torch's allocations,
+    integers such as a row count that is a multiple of 128), so the build vectorizes as the launch does;
+    ``options``: other launch options the launcher passes (``enable_fp_fusion``, ...)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
-    source = source_type(kernel, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = source_type(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})

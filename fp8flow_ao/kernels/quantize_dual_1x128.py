@@ -332,7 +332,7 @@ def _quantize_dual_1x128_sm90_kernel(
         [
             (_qd_sm90_quantizer, (0, 2, HAS_OFFSETS, ring, tensors)),
             (_qd_sm90_quantizer, (1, 2, HAS_OFFSETS, ring, tensors)),
-            (tile_ring_loader, (in_desc, in_bufs, ready, empty, offsets_ptr, M, N, num_groups, HAS_OFFSETS)),
+            (tile_ring_loader, (((in_desc, 0),), in_bufs, ready, empty, offsets_ptr, M, N, num_groups, HAS_OFFSETS)),
         ],
         [SM90_QUANTIZER_WARPS, 1],
         [SM90_QUANTIZER_REGS, 40],

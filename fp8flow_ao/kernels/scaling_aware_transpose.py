@@ -390,7 +390,7 @@ def _scaling_aware_transpose_sm90_kernel(
             (_sat_sm90_transposer, (1, 4, HAS_OFFSETS, ring, tensors)),
             (_sat_sm90_transposer, (2, 4, HAS_OFFSETS, ring, tensors)),
             (_sat_sm90_transposer, (3, 4, HAS_OFFSETS, ring, tensors)),
-            (tile_ring_loader, (in_desc, in_bufs, ready, empty, offsets_ptr, M, K, num_groups, HAS_OFFSETS)),
+            (tile_ring_loader, (((in_desc, 0),), in_bufs, ready, empty, offsets_ptr, M, K, num_groups, HAS_OFFSETS)),
         ],
         [4, 4, 4, 1],
         [TRANSPOSER_REGS, TRANSPOSER_REGS, TRANSPOSER_REGS, 40],

@@ -45,6 +45,13 @@ power of two, fp32):
   ``grad_probs`` 0. (Pad rows *inside* a group cannot be told apart from real rows by the end
   offsets alone: there FC1 wrote zeros, so the data is 0 and the scale the all-zero block's tiny one.)
 
+Kernels: the forward is a Triton kernel. The backward runs, on Hopper, a warp-specialized TMA-ring kernel
+(``launch_swiglu_quant_backward_sm90``: a loader warp keeps two tiles' ``grad_a``, gate and up boxes in flight
+beside an 8-warp partition that holds a tile's d_gate and d_up in registers for both quantizations; 0.66-0.73x
+the Triton kernel's device time, 59-70% of copy bandwidth, the same ``dh`` bits) wherever TMA can load
+``grad_a`` and ``h`` (bases and row strides on 16-byte boundaries), and the Triton kernel
+(``launch_swiglu_quant_backward``) elsewhere.
+
 Numerics: the kernels and the references evaluate the same formulas in the same order, in fp32,
 with no fused multiply-add (``enable_fp_fusion=False``). ``exp`` and the division are the only
 steps whose rounding can differ: torch's CPU ``exp``, numpy's (the interpreter) and the GPU's
@@ -56,10 +63,14 @@ two.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.language.extra import libdevice
 
 from fp8flow_ao._checks import (
@@ -73,9 +84,19 @@ from fp8flow_ao._checks import (
     check_tensor,
 )
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
-from fp8flow_ao.kernels._grouped_gemm_common import interpreting
+from fp8flow_ao.kernels._grouped_gemm_common import check_tma_operand, interpreting, sm_count
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
+from fp8flow_ao.kernels._sm90_common import (
+    SM90_BLOCK,
+    compile_for_sm90,
+    descriptor,
+    descriptor_signature,
+    partition_barrier,
+    sm90_supported,
+    sm90_takes_plain_form,
+    tile_ring_loader,
+)
 from fp8flow_ao.kernels._triton_common import (
     last_group_end,
     nan_ignoring_amax,
@@ -126,7 +147,8 @@ def backward_configs() -> list[LaunchConfig]:
     us; two tiles a program 474 / 186 us; all of H with 2 pipeline stages 864 / 324 us. Far from copy
     bandwidth: ~60 instructions per (gate, up) pair against 10 bytes, and one 8-warp program per SM (ncu:
     12.5% occupancy, 0.36 instructions issued per scheduler a cycle, 42% of DRAM bandwidth;
-    ``benchmarks/results/memory_bound_notes.md``).
+    ``benchmarks/results/memory_bound_notes.md``). On Hopper the op runs
+    :func:`launch_swiglu_quant_backward_sm90` instead, where TMA can load the inputs.
     """
     return [
         LaunchConfig(block_m=BLOCK, num_warps=8, num_stages=1, col_tiles=1),
@@ -154,7 +176,7 @@ def _sigmoid(g, APPROX: tl.constexpr):
     element made ptxas spill the whole tile.
     """
     if APPROX:
-        return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(-g))
+        return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(g * -1.0))
     return 1.0 / (1.0 + tl.exp(-g))
 
 
@@ -199,6 +221,37 @@ def _swiglu_quant_kernel(
 
 
 @triton.jit
+def _dh_math(ga, g, u, p, HAS_PROBS: tl.constexpr, SCORE_BEFORE_EXPERTS: tl.constexpr, APPROX: tl.constexpr):
+    """``(d_gate, d_up, grad_probs terms)`` in fp32 from fp32 ``grad_a``, gate and up tiles and the rows'
+    probs ``p`` (``[R, 1]``; unused without ``HAS_PROBS``): the formulas of the module docstring in the
+    reference's order. With probs the terms sum along a row to that row's share of ``grad_probs`` (without,
+    they mean nothing and are not used). Shared by the Triton and the Hopper kernels."""
+    if SCORE_BEFORE_EXPERTS:
+        # SwiGLU's inputs were g' = p * gate and u' = p * up. grad_probs = sum(t_gate * gate +
+        # t_up * up) (t: the gradients w.r.t. g', u'), written as sum(grad_a * up * g' * (s + dsilu))
+        # so that gate and up die early.
+        gp = g * p
+        s = _sigmoid(gp, APPROX)
+        d_up = ga * (gp * s)
+        gu = ga * u
+        dsilu = s * (1.0 + gp * (1.0 - s))
+        terms = gu * (gp * (s + dsilu))
+        d_up = d_up * p
+        d_gate = ((gu * p) * dsilu) * p
+    else:
+        s = _sigmoid(g, APPROX)
+        d_up = ga * (g * s)
+        d_gate = ga * u
+        terms = d_up  # a placeholder: without probs no grad_probs is written
+        if HAS_PROBS:
+            terms = d_up * u
+            d_up = d_up * p
+            d_gate = d_gate * p
+        d_gate = d_gate * (s * (1.0 + g * (1.0 - s)))
+    return d_gate, d_up, terms
+
+
+@triton.jit
 def _dh_slice(
     grad_a_ptr,
     h_ptr,
@@ -214,37 +267,15 @@ def _dh_slice(
     APPROX: tl.constexpr,
 ):
     """``d_gate``, ``d_up`` (fp32 ``[R, 128]``) of rows ``rows`` and columns ``cols`` of H, and those
-    columns' terms of ``grad_probs`` summed per row (``[R]``); 0 in rows not ``row_ok``. ``p``: the
+    columns' terms of ``grad_probs`` summed per row (``[R]``, with probs); 0 in rows not ``row_ok``. ``p``: the
     rows' probs ``[R, 1]`` (unused without ``HAS_PROBS``)."""
     rows64 = rows.to(tl.int64)
     ga = tl.load(grad_a_ptr + rows64[:, None] * stride_gm + cols[None, :], mask=row_ok[:, None], other=0.0)
     gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
     g = tl.load(gate_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     u = tl.load(gate_ptrs + H, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    ga = ga.to(tl.float32)
-    if SCORE_BEFORE_EXPERTS:
-        # SwiGLU's inputs were g' = p * gate and u' = p * up. grad_probs = sum(t_gate * gate +
-        # t_up * up) (t: the gradients w.r.t. g', u'), written as sum(grad_a * up * g' * (s + dsilu))
-        # so that gate and up die early.
-        gp = g * p
-        s = _sigmoid(gp, APPROX)
-        d_up = ga * (gp * s)
-        gu = ga * u
-        dsilu = s * (1.0 + gp * (1.0 - s))
-        grad_probs = tl.sum(gu * (gp * (s + dsilu)), axis=1)
-        d_up = d_up * p
-        d_gate = ((gu * p) * dsilu) * p
-    else:
-        s = _sigmoid(g, APPROX)
-        d_up = ga * (g * s)
-        d_gate = ga * u
-        grad_probs = tl.zeros([rows.shape[0]], dtype=tl.float32)
-        if HAS_PROBS:
-            grad_probs = tl.sum(d_up * u, axis=1)
-            d_up = d_up * p
-            d_gate = d_gate * p
-        d_gate = d_gate * (s * (1.0 + g * (1.0 - s)))
-    return d_gate, d_up, grad_probs
+    d_gate, d_up, terms = _dh_math(ga.to(tl.float32), g, u, p, HAS_PROBS, SCORE_BEFORE_EXPERTS, APPROX)
+    return d_gate, d_up, tl.sum(terms, axis=1)
 
 
 @triton.jit
@@ -415,13 +446,7 @@ def launch_swiglu_quant_backward(
     h_tiles = two_h // 2 // BLOCK
     col_tiles = min(config.col_tiles or h_tiles, h_tiles)
     splits = cdiv(h_tiles, col_tiles)
-    dev = h.device
-    dh = torch.empty((m, two_h), dtype=FP8_DTYPE, device=dev)
-    dh_scale = torch.empty((m, two_h // BLOCK), dtype=torch.float32, device=dev)
-    dh_t = torch.empty((two_h, m), dtype=FP8_DTYPE, device=dev)
-    dh_t_scale = torch.empty((m // BLOCK, two_h), dtype=torch.float32, device=dev)
-    # One row of partial sums per column split; with one split it is grad_probs itself (no sum launched).
-    partials = torch.empty((splits, m) if probs is not None else (1, 0), dtype=torch.float32, device=dev)
+    dh, dh_scale, dh_t, dh_t_scale, partials = _allocate_backward(m, two_h, splits, probs, h.device)
     if m == 0:
         return dh, dh_scale, dh_t, dh_t_scale, partials[0]
     launch_kernel(
@@ -450,8 +475,275 @@ def launch_swiglu_quant_backward(
         maxnreg=config.maxnreg,
         enable_fp_fusion=False,  # no fma contraction: the same roundings as the reference
     )
-    grad_probs = partials[0] if partials.shape[0] == 1 else partials.sum(0)
-    return dh, dh_scale, dh_t, dh_t_scale, grad_probs
+    return dh, dh_scale, dh_t, dh_t_scale, _sum_partials(partials)
+
+
+def _allocate_backward(
+    m: int, two_h: int, splits: int, probs: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's outputs, and ``grad_probs``' partial sums: a row per column split (``[1, 0]`` without probs)."""
+    dh = torch.empty((m, two_h), dtype=FP8_DTYPE, device=device)
+    dh_scale = torch.empty((m, two_h // BLOCK), dtype=torch.float32, device=device)
+    dh_t = torch.empty((two_h, m), dtype=FP8_DTYPE, device=device)
+    dh_t_scale = torch.empty((m // BLOCK, two_h), dtype=torch.float32, device=device)
+    partials = torch.empty((splits, m) if probs is not None else (1, 0), dtype=torch.float32, device=device)
+    return dh, dh_scale, dh_t, dh_t_scale, partials
+
+
+def _sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """``grad_probs`` from its partial sums: with one split it is the partials' row itself (no sum launched)."""
+    return partials[0] if partials.shape[0] == 1 else partials.sum(0)
+
+
+# The Hopper kernel (TMA ring, warp-specialized). Each 128 x 128 tile of dh (a column block of d_gate and the
+# same of d_up) comes from three landed bf16 tiles (grad_a's, gate's, up's): 96 KiB a ring slot.
+SM90_STAGES = 2  # slots: 192 KiB of the 227, beside the reductions' scratch; the outputs leave from registers
+# One compute partition of 8 warps (the default one, beside the loader warp): with 12 warps a CTA it gets 168
+# registers, enough to hold a tile's d_gate and d_up whole (64 fp32 values a thread each) for both
+# quantizations, so each input is read and each sigmoid computed once (ptxas 3.6: no spill). Two partitions
+# (of 8 or 16 warps) leave the default one 96 registers: 16 warps recomputing the sigmoid for a second pass
+# issued 1.5x the Triton kernel's instructions and ran at its speed (H200, 2026-11-27).
+SM90_WARPS = gl.constexpr(8)
+# Each thread holds 8 rows x 8 columns of a tile: 16-byte shared-memory loads of each input row (a warp's 8
+# threads a row read 128 consecutive bytes, one phase, no bank conflict), 8-byte stores of each row-wise row
+# and, transposed, of each column-wise column (the 8 rows are consecutive tokens).
+_SM90_TILE_LAYOUT = gl.constexpr(gl.BlockedLayout([8, 8], [4, 8], [4, 2], [1, 0]))
+_SM90_TILE_LAYOUT_T = gl.constexpr(gl.BlockedLayout([8, 8], [8, 4], [2, 4], [1, 0]))
+
+
+@gluon.jit
+def _sm90_slot_tiles(in_bufs, s):
+    """Ring slot ``s``'s ``grad_a``, gate and up tiles, fp32, in ``_SM90_TILE_LAYOUT``."""
+    ga = in_bufs.index(3 * s).load(_SM90_TILE_LAYOUT).to(gl.float32)
+    g = in_bufs.index(3 * s + 1).load(_SM90_TILE_LAYOUT).to(gl.float32)
+    u = in_bufs.index(3 * s + 2).load(_SM90_TILE_LAYOUT).to(gl.float32)
+    return ga, g, u
+
+
+@gluon.jit
+def _sm90_store_both_ways(x, row0, col0, end, tensors):
+    """Quantize the fp32 128 x 128 tile ``x`` of ``dh`` (rows ``row0 + [0, 128)``, columns ``col0 + [0, 128)``;
+    zero in rows at or past ``end``) row-wise into ``dh`` and column-wise, transposed, into ``dh_t``, with
+    their scales, straight from registers. ``tensors`` as for ``_swiglu_bwd_sm90_partition``."""
+    dh_ptr, dh_scale_ptr, dh_t_ptr, dh_t_scale_ptr, probs_ptr, partials_ptr, offsets_ptr, M, H, num_groups = tensors
+    rows = row0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(1, _SM90_TILE_LAYOUT))
+    cols = col0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(0, _SM90_TILE_LAYOUT))
+    rows64 = rows.to(gl.int64)
+    # maxnum: NaN ignored, as nan_ignoring_amax in the Triton kernel
+    scale_inv, scale = pow2_scale_inv_and_scale(gl.max(gl.abs(x), axis=1))
+    gl.store(dh_ptr + rows64[:, None] * (2 * H) + cols[None, :], (x * scale[:, None]).to(gl.float8e4nv))
+    gl.store(dh_scale_ptr + rows64 * (2 * H // SM90_BLOCK) + col0 // SM90_BLOCK, gl.where(rows < end, scale_inv, 0.0))
+    scale_inv, scale = pow2_scale_inv_and_scale(gl.max(gl.abs(x), axis=0))
+    # The permute renames registers (each thread's 8 values of a column are 8 consecutive tokens); the
+    # conversion only orders them for 8-byte stores.
+    q_t = gl.convert_layout(gl.permute((x * scale[None, :]).to(gl.float8e4nv), (1, 0)), _SM90_TILE_LAYOUT_T)
+    cols_t = col0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(1, _SM90_TILE_LAYOUT_T))
+    tokens = row0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(0, _SM90_TILE_LAYOUT_T))
+    gl.store(dh_t_ptr + cols_t.to(gl.int64)[:, None] * M + tokens[None, :], q_t)
+    block_ok = gl.zeros_like(cols) + row0 < end
+    gl.store(dh_t_scale_ptr + (row0 // SM90_BLOCK) * (2 * H) + cols, gl.where(block_ok, scale_inv, 0.0))
+
+
+@gluon.jit
+def _sm90_zero_rows_past_end(in_bufs, s, row0, end):
+    """Zero the rows at or past ``end`` of ring slot ``s``'s three tiles (rows ``row0 + [0, 128)``), so they read
+    as the Triton kernel's masked loads do (TMA brought whatever the rows hold, and a tile wholly past the end
+    was not loaded at all): their dh and grad_probs terms are then 0. Only tiles that the end cuts pay."""
+    ok = (row0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(1, _SM90_TILE_LAYOUT)) < end)[:, None]
+    for i in gl.static_range(3):
+        tile = in_bufs.index(3 * s + i)
+        x = tile.load(_SM90_TILE_LAYOUT)
+        partition_barrier()  # every warp has read the tile before any overwrites it
+        tile.store(gl.where(ok, x, gl.zeros_like(x)))
+    # The zeros are seen by every warp's reads, and ordered before the TMA writes of the slot's next use.
+    fence_async_shared()
+    partition_barrier()
+
+
+@gluon.jit
+def _swiglu_bwd_sm90_partition(
+    HAS_PROBS: gl.constexpr, SCORE_BEFORE_EXPERTS: gl.constexpr, HAS_OFFSETS: gl.constexpr, ring, tensors
+):
+    """8 warps: the program's landed tiles in turn. ``ring = (in_bufs, ready, empty)``; ``tensors = (dh,
+    dh_scale, dh_t, dh_t_scale, probs, partials, offsets, M, H, num_groups)``.
+
+    The slot is freed as soon as its three tiles are in registers, before the arithmetic, so the loader
+    refills it while this tile is computed and stored."""
+    in_bufs, ready, empty = ring
+    dh_ptr, dh_scale_ptr, dh_t_ptr, dh_t_scale_ptr, probs_ptr, partials_ptr, offsets_ptr, M, H, num_groups = tensors
+    STAGES: gl.constexpr = in_bufs.type.shape[0] // 3
+    end = last_group_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
+    num_hb = H // SM90_BLOCK
+    tiles = gl.cdiv(gl.maximum((M // SM90_BLOCK) * num_hb - gl.program_id(0), 0), gl.num_programs(0))
+    r = gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(1, _SM90_TILE_LAYOUT))
+    for it in range(tiles):
+        t = gl.program_id(0) + it * gl.num_programs(0)
+        hb = t % num_hb
+        row0 = (t // num_hb) * SM90_BLOCK
+        p = gl.load(probs_ptr + row0 + r, mask=(row0 + r < end) & HAS_PROBS, other=0.0)[:, None]
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        if row0 + SM90_BLOCK > end:
+            _sm90_zero_rows_past_end(in_bufs, s, row0, end)
+        ga, g, u = _sm90_slot_tiles(in_bufs, s)
+        # Every warp has read the slot before it is freed: the barrier of this partition's warps.
+        partition_barrier()
+        mbarrier.arrive(empty.index(s), count=1)
+        d_gate, d_up, terms = _dh_math(ga, g, u, p, HAS_PROBS, SCORE_BEFORE_EXPERTS, True)
+        if HAS_PROBS:
+            gl.store(partials_ptr + hb * M + row0 + r, gl.sum(terms, axis=1))
+        _sm90_store_both_ways(d_gate, row0, hb * SM90_BLOCK, end, tensors)
+        _sm90_store_both_ways(d_up, row0, H + hb * SM90_BLOCK, end, tensors)
+
+
+@gluon.jit
+def _swiglu_quant_backward_sm90_kernel(
+    ga_desc,
+    h_desc,
+    dh_ptr,
+    dh_scale_ptr,
+    dh_t_ptr,
+    dh_t_scale_ptr,
+    probs_ptr,
+    partials_ptr,
+    offsets_ptr,
+    M,
+    H,
+    num_groups,
+    HAS_PROBS: gl.constexpr,
+    SCORE_BEFORE_EXPERTS: gl.constexpr,
+    HAS_OFFSETS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Persistent: program ``p`` takes the tiles ``p, p + programs, ...`` of the ``[M / 128, H / 128]`` grid (row
+    tile major). One loader warp keeps ``STAGES`` tiles' three input boxes in flight (``tile_ring_loader``); the
+    8-warp default partition computes and stores each landed tile."""
+    in_bufs = gl.allocate_shared_memory(ga_desc.dtype, [3 * STAGES] + ga_desc.block_type.shape, ga_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    ring = (in_bufs, ready, empty)
+    tensors = (dh_ptr, dh_scale_ptr, dh_t_ptr, dh_t_scale_ptr, probs_ptr, partials_ptr, offsets_ptr, M, H, num_groups)
+    sources = ((ga_desc, 0), (h_desc, 0), (h_desc, H))
+    # Constexprs spelled out: Gluon keeps them only in literal argument tuples.
+    gl.warp_specialize(
+        [
+            (_swiglu_bwd_sm90_partition, (HAS_PROBS, SCORE_BEFORE_EXPERTS, HAS_OFFSETS, ring, tensors)),
+            (tile_ring_loader, (sources, in_bufs, ready, empty, offsets_ptr, M, H, num_groups, HAS_OFFSETS)),
+        ],
+        [1],
+        [40],
+    )
+
+
+def build_sm90_swiglu_backward_kernel(
+    has_probs: bool = True, score_before_experts: bool = False, has_offsets: bool = True
+) -> Any:
+    """Compile the Hopper kernel for sm_90a without a GPU (see
+    :func:`~fp8flow_ao.kernels._sm90_common.compile_for_sm90`), as a launch with these flags would."""
+    fp32 = "*fp32"
+    signature = {
+        "ga_desc": descriptor_signature((BLOCK, BLOCK), torch.bfloat16),
+        "h_desc": descriptor_signature((BLOCK, BLOCK), torch.bfloat16),
+        "dh_ptr": "*fp8e4nv",
+        "dh_scale_ptr": fp32,
+        "dh_t_ptr": "*fp8e4nv",
+        "dh_t_scale_ptr": fp32,
+        # Absent inputs: the launcher passes dh_scale (an fp32 pointer, unread) in their place.
+        "probs_ptr": fp32,
+        "partials_ptr": fp32,
+        "offsets_ptr": "*i32" if has_offsets else fp32,
+        **dict.fromkeys(("M", "H", "num_groups"), "i32"),
+        **dict.fromkeys(("HAS_PROBS", "SCORE_BEFORE_EXPERTS", "HAS_OFFSETS", "STAGES"), "constexpr"),
+    }
+    constexprs = {
+        "HAS_PROBS": has_probs,
+        "SCORE_BEFORE_EXPERTS": score_before_experts,
+        "HAS_OFFSETS": has_offsets,
+        "STAGES": SM90_STAGES,
+    }
+    return compile_for_sm90(
+        _swiglu_quant_backward_sm90_kernel,
+        signature,
+        constexprs,
+        num_warps=SM90_WARPS.value,
+        # What a launch specializes: torch's allocations 16-byte aligned, M and H multiples of 128.
+        aligned=("dh_ptr", "dh_scale_ptr", "dh_t_ptr", "dh_t_scale_ptr", "probs_ptr", "partials_ptr", "M", "H"),
+        enable_fp_fusion=False,
+    )
+
+
+def launch_swiglu_quant_backward_sm90(
+    grad_a: torch.Tensor,
+    h: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    group_end_offsets: torch.Tensor | None = None,
+    score_before_experts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gluon launcher (Hopper GPUs only; ``grad_a``'s and ``h``'s bases and row strides on 16-byte boundaries,
+    TMA's rule). Same contract and formulas as :func:`launch_swiglu_quant_backward`, same bits for ``dh``
+    (``grad_probs`` is summed in another order).
+
+    One program an SM walks the 128 x 128 tiles of H; a loader warp keeps two tiles' ``grad_a``, gate and up
+    boxes in flight by TMA; an 8-warp partition computes each landed tile's d_gate and d_up
+    (``_swiglu_bwd_sm90_partition``) and stores each both ways from registers. The Triton kernel runs one
+    245-register program an SM whose warps wait while its tile is in flight (ncu: 12.5% occupancy, 0.36
+    instructions issued per scheduler a cycle; ``benchmarks/results/memory_bound_notes.md``)."""
+    if not sm90_supported(h.device):
+        raise RuntimeError(
+            f"the sm90 swiglu_quant_backward needs a Hopper GPU (compute capability 9.x), got {h.device}"
+        )
+    check_tma_operand("grad_a", grad_a)
+    check_tma_operand("h", h)
+    m, two_h = h.shape
+    hidden = two_h // 2
+    dh, dh_scale, dh_t, dh_t_scale, partials = _allocate_backward(m, two_h, hidden // BLOCK, probs, h.device)
+    tiles = (m // BLOCK) * (hidden // BLOCK)
+    if tiles == 0:
+        return dh, dh_scale, dh_t, dh_t_scale, partials[0]
+    has_offsets = group_end_offsets is not None
+    launch_kernel(
+        _swiglu_quant_backward_sm90_kernel,
+        (min(tiles, sm_count(h.device)),),
+        descriptor(grad_a, (BLOCK, BLOCK)),
+        descriptor(h, (BLOCK, BLOCK)),
+        dh,
+        dh_scale,
+        dh_t,
+        dh_t_scale,
+        dh_scale if probs is None else probs,
+        dh_scale if probs is None else partials,
+        group_end_offsets if has_offsets else dh_scale,
+        m,
+        hidden,
+        group_end_offsets.shape[0] if has_offsets else 0,
+        HAS_PROBS=probs is not None,
+        SCORE_BEFORE_EXPERTS=bool(score_before_experts),
+        HAS_OFFSETS=has_offsets,
+        STAGES=SM90_STAGES,
+        num_warps=SM90_WARPS.value,
+        enable_fp_fusion=False,  # no fma contraction: the same roundings as the reference
+    )
+    return dh, dh_scale, dh_t, dh_t_scale, _sum_partials(partials)
+
+
+def _launch_backward_op_kernel(
+    grad_a: torch.Tensor,
+    h: torch.Tensor,
+    probs: torch.Tensor | None,
+    group_end_offsets: torch.Tensor | None,
+    score_before_experts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's CUDA kernel: the Hopper TMA kernel where TMA can load ``grad_a`` and ``h``, the Triton kernel
+    otherwise (other GPUs, rows off 16-byte boundaries). Same ``dh`` bits."""
+    launcher = (
+        launch_swiglu_quant_backward_sm90
+        if sm90_takes_plain_form(h, None) and sm90_takes_plain_form(grad_a, None)
+        else launch_swiglu_quant_backward
+    )
+    return launcher(grad_a, h, probs, group_end_offsets, score_before_experts)
 
 
 def _rows_computed(m: int, group_end_offsets: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -599,7 +891,7 @@ def _swiglu_quant_backward_op(
     return swiglu_quant_backward_reference(grad_a, h, probs, group_end_offsets, score_before_experts)
 
 
-_swiglu_quant_backward_op.register_kernel("cuda")(launch_swiglu_quant_backward)
+_swiglu_quant_backward_op.register_kernel("cuda")(_launch_backward_op_kernel)
 
 
 @_swiglu_quant_backward_op.register_fake
