@@ -306,12 +306,12 @@ def test_row_stride_is_free(kernel):
 
 def test_sm90_kernel_builds_for_hopper():
     """The Hopper kernel compiled for sm_90a without a GPU (the interpreter cannot run Gluon), as each form's
-    launch specializes it: within Hopper's shared memory; no spill with triton 3.6's ptxas (the GPU image's).
-    Triton 3.9 keeps d_up's sigmoid for d_gate instead of recomputing it, and spills (130-300 local-memory
-    instructions) at the 96 registers the default partition gets."""
+    launch specializes it: within Hopper's shared memory; no spill with triton 3.6 (the GPU image's). Triton
+    3.9 compiles the same kernel to a few spills at its 168 registers (38 local-memory instructions with probs
+    after the experts, the layer's form; 219-243 for the other forms), not measured on a GPU."""
     from fp8flow_ao.kernels._sm90_common import SM90_SMEM_BYTES
 
-    most = 0 if triton.__version__.startswith("3.6.") else 400
+    most = 0 if triton.__version__.startswith("3.6.") else 300
     forms = [(True, False, True), (False, False, True), (True, True, True), (True, False, False)]
     built = build_spills("swiglu_quant", [f"build_sm90_swiglu_backward_kernel{f}" for f in forms])
     assert all(shared <= SM90_SMEM_BYTES and spills <= most for _, shared, spills in built), built

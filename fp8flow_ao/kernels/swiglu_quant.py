@@ -500,7 +500,8 @@ def _sum_partials(partials: torch.Tensor) -> torch.Tensor:
 SM90_STAGES = 2  # slots: 192 KiB of the 227, beside the reductions' scratch; the outputs leave from registers
 # One compute partition of 8 warps (the default one, beside the loader warp): with 12 warps a CTA it gets 168
 # registers, enough to hold a tile's d_gate and d_up whole (64 fp32 values a thread each) for both
-# quantizations, so each input is read and each sigmoid computed once (ptxas 3.6: no spill). Two partitions
+# quantizations, so each input is read and each sigmoid computed once (triton 3.6: no spill; 3.9: 38-243
+# spill instructions by form, its speed not measured). Two partitions
 # (of 8 or 16 warps) leave the default one 96 registers: 16 warps recomputing the sigmoid for a second pass
 # issued 1.5x the Triton kernel's instructions and ran at its speed (H200, 2026-11-27).
 SM90_WARPS = gl.constexpr(8)
