@@ -51,13 +51,13 @@ from _bench import (  # noqa: E402
 )
 
 from fp8flow_ao._format import BLOCK  # noqa: E402
-from fp8flow_ao.kernels._sm90_common import sm90_supported  # noqa: E402
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128  # noqa: E402
 from fp8flow_ao.kernels.swiglu_quant import (  # noqa: E402
     BACKWARD_CONFIG,
     FORWARD_CONFIG,
     LaunchConfig,
     backward_configs,
+    backward_takes_sm90_kernel,
     launch_swiglu_quant,
     launch_swiglu_quant_backward,
     swiglu_quant_backward,
@@ -168,7 +168,7 @@ def run_cases(sweep: bool) -> list[dict]:
                     results.append(row(case, us, "none", None, **common, device_us=dev, config=str(cfg)))
                 continue
             ours, dev = bench_us(launch, args), device_us(launch, args)
-            kernel = _kernel_name(direction)
+            kernel = _kernel_name(direction, sets[0])
             for name, fn, base_args in baselines:
                 results.append(
                     row(case, ours, name, bench_us(fn, base_args), **common, device_us=dev, kernel=kernel, **extra)
@@ -178,9 +178,9 @@ def run_cases(sweep: bool) -> list[dict]:
     return results
 
 
-def _kernel_name(direction: str) -> str:
-    """The kernel the op runs here (the benchmark's inputs are TMA-aligned fresh tensors)."""
-    if direction == "backward" and sm90_supported(torch.device("cuda")):
+def _kernel_name(direction: str, inputs: tuple) -> str:
+    """The kernel the op runs on ``inputs`` (grad_a, h, ...), by the op's own rule."""
+    if direction == "backward" and backward_takes_sm90_kernel(inputs[0], inputs[1]):
         return "sm90 TMA ring"
     return f"triton {FORWARD_CONFIG if direction == 'forward' else BACKWARD_CONFIG}"
 

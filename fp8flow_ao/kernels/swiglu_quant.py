@@ -737,14 +737,18 @@ def _launch_backward_op_kernel(
     group_end_offsets: torch.Tensor | None,
     score_before_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op's CUDA kernel: the Hopper TMA kernel where TMA can load ``grad_a`` and ``h``, the Triton kernel
-    otherwise (other GPUs, rows off 16-byte boundaries). Same ``dh`` bits."""
+    """The op's CUDA kernel: the Hopper TMA kernel where :func:`backward_takes_sm90_kernel`, the Triton kernel
+    otherwise. Same ``dh`` bits."""
     launcher = (
-        launch_swiglu_quant_backward_sm90
-        if sm90_takes_plain_form(h, None) and sm90_takes_plain_form(grad_a, None)
-        else launch_swiglu_quant_backward
+        launch_swiglu_quant_backward_sm90 if backward_takes_sm90_kernel(grad_a, h) else launch_swiglu_quant_backward
     )
     return launcher(grad_a, h, probs, group_end_offsets, score_before_experts)
+
+
+def backward_takes_sm90_kernel(grad_a: torch.Tensor, h: torch.Tensor) -> bool:
+    """Whether the backward op runs the Hopper TMA kernel on these inputs: a Hopper GPU, and TMA can load
+    ``grad_a`` and ``h`` (bases and row strides on 16-byte boundaries); else the Triton kernel."""
+    return sm90_takes_plain_form(h, None) and sm90_takes_plain_form(grad_a, None)
 
 
 def _rows_computed(m: int, group_end_offsets: torch.Tensor | None, device: torch.device) -> torch.Tensor:
