@@ -51,9 +51,10 @@ that dgrad in BF16 GEMMs on FP8-Flow's own FP8 operands (a control: it should tr
 ``fp8flow_emulated_sr_fc1_dgrad`` the same with dh rounded stochastically to its FP8 grid (unbiased)
 instead of to nearest (``fp8flow.backward = "emulated_*"``; compiled, about ``bf16_fc1_dgrad``'s speed).
 
-Several runs can share the one GPU (their loss curves do not depend on it; a small model leaves it
-partly idle): ``bash .ci/gpu OUT convergence "--recipe A ..." "--recipe B ..."`` builds the corpus once
-and starts them together with ``--shared-gpu N``, which keeps their tokens/s out of the report.
+Several runs can train at once (their loss curves do not depend on it): ``bash .ci/gpu OUT convergence
+"--recipe A ..." "--recipe B ..."`` builds the corpus once and starts them together, spread over the
+machine's GPUs; where runs share a GPU it gives them ``--shared-gpu N``, which keeps their tokens/s out
+of the report.
 
 Cost (fp8flow_gpu, estimated): a probe is ~0.1 s a MoE layer (the fp32 reference: ~3.7 TFLOP of fp32
 matmuls), measured between the timed steps; the grad norms read the fp32 expert gradients once a
