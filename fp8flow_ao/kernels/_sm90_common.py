@@ -50,34 +50,40 @@ _GL_DTYPES = {
 }
 
 
-def _fp8_view_of_slots(reinterpret_name: str) -> Any:
-    """:func:`fp8_view_of_slots` for a Triton whose shared-memory views reinterpret by ``reinterpret_name``
+def _shared_reinterpret(reinterpret_name: str) -> Any:
+    """:func:`shared_reinterpret` for a Triton whose shared-memory views reinterpret by ``reinterpret_name``
     (3.6: ``_reinterpret``; 3.9: ``reinterpret``): one jit function per name, picked once at import."""
     if reinterpret_name == "reinterpret":
 
         @gluon.jit
-        def view(bufs, layout: gl.constexpr):
-            STAGES: gl.constexpr = bufs.type.shape[0]
-            ROWS: gl.constexpr = bufs.type.shape[1] * bufs.dtype.primitive_bitwidth // 8
-            return bufs.reinterpret(gl.float8e4nv, [STAGES, ROWS, bufs.type.shape[2]], layout)
+        def view(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return buf.reinterpret(dtype, shape, layout)
 
     else:
 
         @gluon.jit
-        def view(bufs, layout: gl.constexpr):
-            STAGES: gl.constexpr = bufs.type.shape[0]
-            ROWS: gl.constexpr = bufs.type.shape[1] * bufs.dtype.primitive_bitwidth // 8
-            return bufs._reinterpret(gl.float8e4nv, [STAGES, ROWS, bufs.type.shape[2]], layout)
+        def view(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return buf._reinterpret(dtype, shape, layout)
 
     return view
 
 
-# fp8_view_of_slots(bufs, layout): ring slots ``[STAGES, R, C]`` of any dtype seen as E4M3 ``[STAGES, R *
-# itemsize, C]`` (``layout``: the E4M3 view's shared layout), each slot's bytes where they were, so an
-# E4M3 tile can be written over the first bytes of the slot it was made from.
-fp8_view_of_slots = _fp8_view_of_slots(
+# shared_reinterpret(buf, dtype, shape, layout): the bytes of shared memory ``buf`` seen as ``dtype[shape]``
+# in shared layout ``layout`` (no copy; the caller makes the byte positions agree).
+shared_reinterpret = _shared_reinterpret(
     "reinterpret" if hasattr(gl.shared_memory_descriptor, "reinterpret") else "_reinterpret"
 )
+
+
+@gluon.jit
+def fp8_view_of_slots(bufs, layout: gl.constexpr):
+    """Ring slots ``[STAGES, R, C]`` of any dtype seen as E4M3 ``[STAGES, R * itemsize, C]`` (``layout``: the
+    E4M3 view's shared layout), each slot's bytes where they were, so an E4M3 tile can be written over the
+    first bytes of the slot it was made from."""
+    STAGES: gl.constexpr = bufs.type.shape[0]
+    ROWS: gl.constexpr = bufs.type.shape[1] * bufs.dtype.primitive_bitwidth // 8
+    COLS: gl.constexpr = bufs.type.shape[2]
+    return shared_reinterpret(bufs, gl.float8e4nv, [STAGES, ROWS, COLS], layout)
 
 
 # A barrier of the calling partition's warps: gl.thread_barrier on triton 3.6, renamed gl.barrier later.
@@ -268,7 +274,8 @@ def check_sm90_launch(
 
 
 @functools.cache
-def _nvmma_layout(shape: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+def tile_smem_layout(shape: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared layout (swizzled for TMA and wgmma) of a ``dtype[shape]`` box that :func:`descriptor` loads."""
     return gl.NVMMASharedLayout.get_default_for(list(shape), _GL_DTYPES[dtype])
 
 
@@ -285,13 +292,13 @@ class _LaunchDescriptor(TensorDescriptor):
 def descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor:
     """Host TMA descriptor of a tensor (last dim contiguous, TMA-aligned: see ``_LaunchDescriptor``) with
     ``block`` boxes."""
-    return _LaunchDescriptor(t, list(t.shape), list(t.stride()), list(block), _nvmma_layout(block, t.dtype))
+    return _LaunchDescriptor(t, list(t.shape), list(t.stride()), list(block), tile_smem_layout(block, t.dtype))
 
 
 def descriptor_signature(block: tuple[int, ...], dtype: torch.dtype) -> str:
     """The signature type a launch with ``descriptor(t, block)`` specializes the kernel on."""
     dims = ", ".join(map(str, block))
-    return f"tensordesc<{_GL_DTYPES[dtype]}[{dims}],{_nvmma_layout(block, dtype)!r}>"
+    return f"tensordesc<{_GL_DTYPES[dtype]}[{dims}],{tile_smem_layout(block, dtype)!r}>"
 
 
 def compile_for_sm90(

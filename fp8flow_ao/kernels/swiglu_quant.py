@@ -93,9 +93,11 @@ from fp8flow_ao.kernels._sm90_common import (
     descriptor,
     descriptor_signature,
     partition_barrier,
+    shared_reinterpret,
     sm90_supported,
     sm90_takes_plain_form,
     tile_ring_loader,
+    tile_smem_layout,
 )
 from fp8flow_ao.kernels._triton_common import (
     last_group_end,
@@ -167,16 +169,18 @@ BACKWARD_CONFIG = backward_configs()[0]
 def _sigmoid(g, APPROX: tl.constexpr):
     """1 / (1 + exp(-g)), as the reference writes it.
 
-    With ``APPROX`` (the GPU): ``ex2.approx.ftz`` and ``div.approx.ftz`` (``__expf``, ``__fdividef``):
-    4 instructions an element instead of 12 (``ex2.approx`` without ftz and ``div.full`` each add a
-    compare and two predicated multiplies for subnormal or huge operands). The results differ from the
-    plain form's only where it keeps a subnormal (``exp(-g)`` for g > 87, the quotient when
-    ``1 + exp(-g) > 2**126``) and these flush it to 0: by at most 2**-126. Without it (the CPU interpreter, which has
-    no libdevice), ``tl.exp`` and ``/``; never ``tl.div_rn``, whose slow-path subroutine call at every
+    With ``APPROX`` (the GPU): ``ex2.approx.ftz`` (``__expf``) and ``rcp.approx.ftz``: 4 instructions an
+    element instead of 12 (``ex2.approx`` without ftz and ``div.full`` each add a compare and two predicated
+    multiplies for subnormal or huge operands). ``rcp.approx.ftz`` gives ``div.approx.ftz(1, d)``'s bits (both
+    flush a subnormal quotient) without the flushing add ptxas puts after the latter. The results differ from
+    the plain form's only where it keeps a subnormal (``exp(-g)`` for g > 87, the quotient when ``1 + exp(-g) >
+    2**126``) and these flush it to 0: by at most 2**-126. Without it (the CPU interpreter, which has no
+    libdevice nor PTX), ``tl.exp`` and ``/``; never ``tl.div_rn``, whose slow-path subroutine call at every
     element made ptxas spill the whole tile.
     """
     if APPROX:
-        return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(g * -1.0))
+        d = 1.0 + libdevice.fast_expf(g * -1.0)
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d], tl.float32, True, 1)
     return 1.0 / (1.0 + tl.exp(-g))
 
 
@@ -500,8 +504,9 @@ def _sum_partials(partials: torch.Tensor) -> torch.Tensor:
 SM90_STAGES = 2  # slots: 192 KiB of the 227, beside the reductions' scratch; the outputs leave from registers
 # One compute partition of 8 warps (the default one, beside the loader warp): with 12 warps a CTA it gets 168
 # registers, enough to hold a tile's d_gate and d_up whole (64 fp32 values a thread each) for both
-# quantizations, so each input is read and each sigmoid computed once (triton 3.6: no spill; 3.9: 38-243
-# spill instructions by form, its speed not measured). Two partitions
+# quantizations, so each input is read and each sigmoid computed once (triton 3.6: no spill; 3.9: none in the
+# layer's form, 179-255 spill instructions in the forms without probs or with the score before the experts,
+# their speed not measured). Two partitions
 # (of 8 or 16 warps) leave the default one 96 registers: 16 warps recomputing the sigmoid for a second pass
 # issued 1.5x the Triton kernel's instructions and ran at its speed (H200, 2026-11-27).
 SM90_WARPS = gl.constexpr(8)
@@ -510,15 +515,47 @@ SM90_WARPS = gl.constexpr(8)
 # and, transposed, of each column-wise column (the 8 rows are consecutive tokens).
 _SM90_TILE_LAYOUT = gl.constexpr(gl.BlockedLayout([8, 8], [4, 8], [4, 2], [1, 0]))
 _SM90_TILE_LAYOUT_T = gl.constexpr(gl.BlockedLayout([8, 8], [8, 4], [2, 4], [1, 0]))
+# The input tiles read as int32 pairs of bf16 (columns 2j and 2j + 1), each thread the same 8 x 8 values as in
+# _SM90_TILE_LAYOUT: one instruction a value to fp32 (a shift or a mask) where the bf16 load and its
+# conversion took two for every odd column.
+_SM90_PAIR_LAYOUT = gl.constexpr(gl.BlockedLayout([8, 4], [4, 8], [4, 2], [1, 0]))
+# A bf16 slot's shared layout seen as int32: the same swizzle over the same bytes, so int32 j of a row holds
+# the row's columns 2j (low half) and 2j + 1 (high half) where TMA wrote them.
+_SM90_PAIR_SMEM = gl.constexpr(
+    gl.NVMMASharedLayout(tile_smem_layout((BLOCK, BLOCK), torch.bfloat16).swizzle_byte_width, 32)
+)
+# A tile's 128 row (or column) maxima, one a thread (two threads each): their scales are computed once,
+# not in each of the 16 threads that share a row (or column) after the reduction, then spread back.
+_SM90_SCALE_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [8], [0]))
+
+
+@gluon.jit
+def _sm90_f32_tile(tile):
+    """A bf16 128 x 128 shared tile as fp32 in ``_SM90_TILE_LAYOUT``, read as int32 pairs: a bf16 is the high
+    half of its fp32, so the even column is the pair shifted up and the odd one the pair masked."""
+    pairs = shared_reinterpret(tile, gl.int32, [SM90_BLOCK, SM90_BLOCK // 2], _SM90_PAIR_SMEM).load(_SM90_PAIR_LAYOUT)
+    even = (pairs << 16).to(gl.float32, bitcast=True)
+    odd = (pairs & -65536).to(gl.float32, bitcast=True)
+    # join + reshape interleave the columns in registers; the conversion only renames the layout
+    return gl.convert_layout(gl.reshape(gl.join(even, odd), [SM90_BLOCK, SM90_BLOCK]), _SM90_TILE_LAYOUT)
 
 
 @gluon.jit
 def _sm90_slot_tiles(in_bufs, s):
     """Ring slot ``s``'s ``grad_a``, gate and up tiles, fp32, in ``_SM90_TILE_LAYOUT``."""
-    ga = in_bufs.index(3 * s).load(_SM90_TILE_LAYOUT).to(gl.float32)
-    g = in_bufs.index(3 * s + 1).load(_SM90_TILE_LAYOUT).to(gl.float32)
-    u = in_bufs.index(3 * s + 2).load(_SM90_TILE_LAYOUT).to(gl.float32)
-    return ga, g, u
+    return (
+        _sm90_f32_tile(in_bufs.index(3 * s)),
+        _sm90_f32_tile(in_bufs.index(3 * s + 1)),
+        _sm90_f32_tile(in_bufs.index(3 * s + 2)),
+    )
+
+
+@gluon.jit
+def _sm90_scales(amax, layout: gl.constexpr):
+    """``(scale_inv, scale)`` of a tile's 128 block maxima (any 1-D layout), computed in
+    ``_SM90_SCALE_LAYOUT``: ``scale_inv`` stays there (for its store), ``scale`` comes back in ``layout``."""
+    scale_inv, scale = pow2_scale_inv_and_scale(gl.convert_layout(amax, _SM90_SCALE_LAYOUT))
+    return scale_inv, gl.convert_layout(scale, layout)
 
 
 @gluon.jit
@@ -527,22 +564,25 @@ def _sm90_store_both_ways(x, row0, col0, end, tensors):
     zero in rows at or past ``end``) row-wise into ``dh`` and column-wise, transposed, into ``dh_t``, with
     their scales, straight from registers. ``tensors`` as for ``_swiglu_bwd_sm90_partition``."""
     dh_ptr, dh_scale_ptr, dh_t_ptr, dh_t_scale_ptr, probs_ptr, partials_ptr, offsets_ptr, M, H, num_groups = tensors
-    rows = row0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(1, _SM90_TILE_LAYOUT))
-    cols = col0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(0, _SM90_TILE_LAYOUT))
-    rows64 = rows.to(gl.int64)
+    row_layout: gl.constexpr = gl.SliceLayout(1, _SM90_TILE_LAYOUT)
+    col_layout: gl.constexpr = gl.SliceLayout(0, _SM90_TILE_LAYOUT)
+    rows64 = (row0 + gl.arange(0, SM90_BLOCK, layout=row_layout)).to(gl.int64)
+    cols = col0 + gl.arange(0, SM90_BLOCK, layout=col_layout)
+    i = gl.arange(0, SM90_BLOCK, layout=_SM90_SCALE_LAYOUT)
     # maxnum: NaN ignored, as nan_ignoring_amax in the Triton kernel
-    scale_inv, scale = pow2_scale_inv_and_scale(gl.max(gl.abs(x), axis=1))
+    scale_inv, scale = _sm90_scales(gl.max(gl.abs(x), axis=1), row_layout)
     gl.store(dh_ptr + rows64[:, None] * (2 * H) + cols[None, :], (x * scale[:, None]).to(gl.float8e4nv))
-    gl.store(dh_scale_ptr + rows64 * (2 * H // SM90_BLOCK) + col0 // SM90_BLOCK, gl.where(rows < end, scale_inv, 0.0))
-    scale_inv, scale = pow2_scale_inv_and_scale(gl.max(gl.abs(x), axis=0))
+    scale_rows = (row0 + i).to(gl.int64) * (2 * H // SM90_BLOCK) + col0 // SM90_BLOCK
+    gl.store(dh_scale_ptr + scale_rows, gl.where(row0 + i < end, scale_inv, 0.0))
+    scale_inv, scale = _sm90_scales(gl.max(gl.abs(x), axis=0), col_layout)
     # The permute renames registers (each thread's 8 values of a column are 8 consecutive tokens); the
     # conversion only orders them for 8-byte stores.
     q_t = gl.convert_layout(gl.permute((x * scale[None, :]).to(gl.float8e4nv), (1, 0)), _SM90_TILE_LAYOUT_T)
     cols_t = col0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(1, _SM90_TILE_LAYOUT_T))
     tokens = row0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(0, _SM90_TILE_LAYOUT_T))
     gl.store(dh_t_ptr + cols_t.to(gl.int64)[:, None] * M + tokens[None, :], q_t)
-    block_ok = gl.zeros_like(cols) + row0 < end
-    gl.store(dh_t_scale_ptr + (row0 // SM90_BLOCK) * (2 * H) + cols, gl.where(block_ok, scale_inv, 0.0))
+    block_ok = gl.zeros_like(i) + row0 < end
+    gl.store(dh_t_scale_ptr + (row0 // SM90_BLOCK) * (2 * H) + col0 + i, gl.where(block_ok, scale_inv, 0.0))
 
 
 @gluon.jit
