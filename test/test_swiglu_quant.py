@@ -3,7 +3,7 @@ reference, numerics against fp64 autograd, group offsets, edge values, op checks
 
 Why data is compared at >= 99.9% bit-exact and not 100%: both ops take an ``exp`` (and, on the GPU,
 an approximate division) whose last-ulp rounding differs between torch's CPU kernels, numpy (the
-interpreter) and the GPU's ``ex2.approx.ftz`` / ``div.approx.ftz``. An ulp moves an E4M3 rounding only when
+interpreter) and the GPU's ``ex2.approx.ftz`` / ``rcp.approx.ftz``. An ulp moves an E4M3 rounding only when
 the fp32 value sits on a rounding boundary, so a few elements per million land one E4M3 step away.
 Scales are bit-exact (a scale changes only if a block maximum sits within an ulp of 448 * 2**k).
 """
