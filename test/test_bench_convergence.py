@@ -12,6 +12,10 @@ from __future__ import annotations
 import email
 import json
 import math
+import os
+import shutil
+import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -256,3 +260,51 @@ def test_runs_to_decide_projects_the_standard_error() -> None:
     assert bc._runs_to_decide([{"mean": 0.0024, "se": 0.0015}, {"mean": 0.004, "se": 0.0015}], 10) == 40
     assert bc._runs_to_decide([{"mean": 0.0025, "se": 0.001}] * 2, 10) is None  # on the goal itself
     assert bc._runs_to_decide([{"mean": 0.001}] * 2, 10) is None  # no noise estimate
+
+
+_FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for python3 in .ci/gpu: a GPU count for its query, a log line per training run.
+case "$*" in
+  *device_count*) echo "${FAKE_GPUS:-1}" ;;
+  *bench_convergence.py*) echo "${CUDA_VISIBLE_DEVICES:-unset} $*" >>"$RUN_LOG" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        # two GPUs, three runs: runs 1 and 3 share GPU 0, run 2 has GPU 1 to itself
+        ({"FAKE_GPUS": "2"}, [("0", "2"), ("1", "1"), ("0", "2")]),
+        # the GPUs the caller was given, by their names, not their positions
+        ({"FAKE_GPUS": "2", "CUDA_VISIBLE_DEVICES": "4,5"}, [("4", "2"), ("5", "1"), ("4", "2")]),
+        # GPUS=1 on a two-GPU machine: every run on the first, each told that three share it
+        ({"FAKE_GPUS": "2", "GPUS": "1"}, [("0", "3"), ("0", "3"), ("0", "3")]),
+    ],
+)
+def test_ci_gpu_spreads_convergence_runs_over_the_gpus(tmp_path: Path, env: dict, expected: list) -> None:
+    """``.ci/gpu OUT convergence ...`` puts run I on GPU (I-1) mod N and tells each run how many share its GPU
+    (``--shared-gpu``, which keeps a shared run's tokens/s out of the report); python3 is faked."""
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(REPO / ".ci" / "gpu", tmp_path / ".ci" / "gpu")  # it runs from its checkout's root: no wheels there
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(_FAKE_PYTHON)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    log = tmp_path / "runs.log"
+    run_env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "GPUS")}
+    run_env.update(env, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", RUN_LOG=str(log))
+    runs = [f"--recipe bf16 --name r{i} --seed {i}" for i in (1, 2, 3)]
+    done = subprocess.run(
+        ["bash", str(tmp_path / ".ci" / "gpu"), str(tmp_path / "out"), "convergence", *runs],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = sorted(log.read_text().splitlines(), key=lambda line: line.split("--name ")[1])
+    got = [(line.split()[0], line.split("--shared-gpu ")[1].split()[0]) for line in lines]
+    assert got == expected, lines
+    assert all(f"--name r{i} " in line for i, line in zip((1, 2, 3), lines, strict=True)), lines
