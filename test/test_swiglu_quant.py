@@ -14,7 +14,7 @@ import pytest
 import torch
 import triton
 from conftest import DEVICE, IS_HOPPER
-from fp8_helpers import assert_fp8_close, assert_scales_equal, build_spills
+from fp8_helpers import assert_fp8_close, assert_scales_equal, build_spills, run_compiling
 
 from fp8flow_ao._format import BLOCK, dequantize_rows_reference
 from fp8flow_ao.kernels.swiglu_quant import (
@@ -316,6 +316,23 @@ def test_sm90_kernel_builds_for_hopper():
     forms = [(True, False, True), (False, False, True), (True, True, True), (True, False, False)]
     built = build_spills("swiglu_quant", [f"build_sm90_swiglu_backward_kernel{f}" for f in forms])
     assert all(shared <= SM90_SMEM_BYTES and spills <= most for _, shared, spills in built), built
+
+
+def test_sm90_kernel_refuses_inputs_other_than_bf16():
+    """The Hopper kernel widens its tiles by their bits (bf16 is the high half of an fp32): another input
+    dtype stops its build with a message instead of computing from misread bits (compiled in a fresh process:
+    the interpreter does not compile)."""
+    refused = run_compiling(
+        "import json, torch\n"
+        "from fp8flow_ao.kernels.swiglu_quant import build_sm90_swiglu_backward_kernel\n"
+        "try:\n"
+        "    build_sm90_swiglu_backward_kernel(dtype=torch.float16)\n"
+        "    print(json.dumps(None))\n"
+        "except Exception as e:\n"
+        "    print(json.dumps([type(e).__name__, str(e)]))\n"
+    )
+    assert refused is not None, "the fp16 form built"
+    assert refused[0] == "CompileTimeAssertionFailure" and "grad_a and h must be bf16" in refused[1], refused
 
 
 @pytest.mark.hopper

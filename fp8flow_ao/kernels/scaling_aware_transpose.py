@@ -593,8 +593,8 @@ def _launch_op_kernel(
     src_rows: torch.Tensor | None,
     top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's CUDA kernel: the Hopper TMA kernel for the plain form where ``data`` starts on a
-    16-byte boundary (TMA's rule), the Triton kernel otherwise (the gathering form: TMA cannot gather
+    """The op's CUDA kernel: the Hopper TMA kernel for the plain form where ``data``'s base and row stride
+    lie on 16-byte boundaries (TMA's rule, ``sm90_takes_plain_form``), the Triton kernel otherwise (the gathering form: TMA cannot gather
     rows; other GPUs). Same bits either way."""
     if sm90_takes_plain_form(data, src_rows):
         return launch_scaling_aware_transpose_sm90(data, scale_inv, group_end_offsets)

@@ -659,6 +659,8 @@ def _swiglu_quant_backward_sm90_kernel(
     """Persistent: program ``p`` takes the tiles ``p, p + programs, ...`` of the ``[M / 128, H / 128]`` grid (row
     tile major). One loader warp keeps ``STAGES`` tiles' three input boxes in flight (``tile_ring_loader``); the
     8-warp default partition computes and stores each landed tile."""
+    # _sm90_f32_tile widens the tiles by their bits, which holds for bf16 only (the op's one input dtype)
+    gl.static_assert(ga_desc.dtype == gl.bfloat16 and h_desc.dtype == gl.bfloat16, "grad_a and h must be bf16")
     in_bufs = gl.allocate_shared_memory(ga_desc.dtype, [3 * STAGES] + ga_desc.block_type.shape, ga_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -680,14 +682,18 @@ def _swiglu_quant_backward_sm90_kernel(
 
 
 def build_sm90_swiglu_backward_kernel(
-    has_probs: bool = True, score_before_experts: bool = False, has_offsets: bool = True
+    has_probs: bool = True,
+    score_before_experts: bool = False,
+    has_offsets: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Any:
     """Compile the Hopper kernel for sm_90a without a GPU (see
-    :func:`~fp8flow_ao.kernels._sm90_common.compile_for_sm90`), as a launch with these flags would."""
+    :func:`~fp8flow_ao.kernels._sm90_common.compile_for_sm90`), as a launch with these flags and inputs of
+    ``dtype`` would (any dtype but bf16 fails the kernel's static assertion)."""
     fp32 = "*fp32"
     signature = {
-        "ga_desc": descriptor_signature((BLOCK, BLOCK), torch.bfloat16),
-        "h_desc": descriptor_signature((BLOCK, BLOCK), torch.bfloat16),
+        "ga_desc": descriptor_signature((BLOCK, BLOCK), dtype),
+        "h_desc": descriptor_signature((BLOCK, BLOCK), dtype),
         "dh_ptr": "*fp8e4nv",
         "dh_scale_ptr": fp32,
         "dh_t_ptr": "*fp8e4nv",
@@ -723,8 +729,8 @@ def launch_swiglu_quant_backward_sm90(
     group_end_offsets: torch.Tensor | None = None,
     score_before_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gluon launcher (Hopper GPUs only; ``grad_a``'s and ``h``'s bases and row strides on 16-byte boundaries,
-    TMA's rule). Same contract and formulas as :func:`launch_swiglu_quant_backward`, same bits for ``dh``
+    """Gluon launcher (Hopper GPUs only; bf16 ``grad_a`` and ``h`` whose bases and row strides lie on 16-byte
+    boundaries, TMA's rule). Same contract and formulas as :func:`launch_swiglu_quant_backward`, same bits for ``dh``
     (``grad_probs`` is summed in another order).
 
     One program an SM walks the 128 x 128 tiles of H; a loader warp keeps two tiles' ``grad_a``, gate and up
