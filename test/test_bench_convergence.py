@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import stat
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -308,3 +309,37 @@ def test_ci_gpu_spreads_convergence_runs_over_the_gpus(tmp_path: Path, env: dict
     got = [(line.split()[0], line.split("--shared-gpu ")[1].split()[0]) for line in lines]
     assert got == expected, lines
     assert all(f"--name r{i} " in line for i, line in zip((1, 2, 3), lines, strict=True)), lines
+
+
+def test_the_standard_error_is_the_larger_of_run_noise_and_the_spread_of_seeds() -> None:
+    rows = [{"seed": s, "gap": g} for s, g in [(0, 0.01), (0, 0.03), (1, -0.01), (2, 0.0), (3, 0.02), (4, 0.04)]]
+    # seed 0's two runs count once, at their mean
+    means = [0.02, -0.01, 0.0, 0.02, 0.04]
+    assert bc._seed_standard_error(rows, "gap") == pytest.approx(statistics.stdev(means) / math.sqrt(5))
+    assert bc._seed_standard_error(rows[:-1], "gap") is None  # 4 seeds: too few to estimate a spread
+    # projected in seeds where the seeds' spread sets the error: 5 seeds in 6 runs need 20 seeds, i.e. 21 runs
+    assert bc._runs_to_decide([{"mean": 0.001, "se": 0.0015, "units": 5}] * 2, 6) == 21
+
+
+def test_a_seed_spread_wider_than_the_run_noise_widens_the_interval() -> None:
+    # run noise from a same-seed FP8 repeat: tiny; the seeds' gaps spread 1%: the interval follows the seeds
+    summary = {
+        f"fp8flow_seed{s}": {
+            "recipe": "fp8flow",
+            "numerics": "fp8flow",
+            "seed": s,
+            "baseline": f"bf16_seed{s}",
+            "baseline_runs": 1,
+            "train_gap_last_half": g,
+            "heldout_gap_final": g,
+        }
+        for s, g in enumerate([0.01, -0.01, 0.012, -0.008, 0.0])
+    }
+    summary["fp8flow_seed0_r2"] = {
+        **summary["fp8flow_seed0"],
+        "train_gap_last_half": 0.0101,
+        "heldout_gap_final": 0.0101,
+    }
+    by = bc.gaps_by_recipe(summary)["fp8flow"]["train_gap_last_half"]
+    assert by["se_seeds"] > 10 * by["se_model"] and by["se"] == by["se_seeds"] and by["units"] == 5
+    assert bc.gaps_by_recipe(summary)["fp8flow"]["goal"] != "met"
