@@ -385,6 +385,47 @@ def gaps_by_recipe(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def noise_by_step(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """How the held-out comparison's noise evolves over the run, per evaluation step, over the seeds that have
+    both a BF16 run and an FP8-Flow run (several runs of a recipe on a seed averaged first): the BF16 held-out
+    loss (mean, and its spread across seeds relative to it), FP8-Flow's gap to its seed's BF16 (mean and
+    spread), and the correlation of a seed's two losses (what pairing by seed removes: with correlation
+    ``c`` the gap's spread is about ``sqrt(2 (1 - c))`` times the seeds' spread; ``None`` where it is
+    undefined). Empty below :data:`MIN_SEEDS_FOR_SPREAD` such seeds."""
+    by_seed: dict[int, dict[str, list[str]]] = {}
+    for name, row in summary.items():
+        if row["numerics"] in (BASELINE, "fp8flow"):
+            by_seed.setdefault(row["seed"], {}).setdefault(row["numerics"], []).append(name)
+    pairs = {seed: groups for seed, groups in by_seed.items() if len(groups) == 2}
+    if len(pairs) < MIN_SEEDS_FOR_SPREAD:
+        return []
+    steps = sorted(
+        set.intersection(*(set(runs[n]["validation"]) for g in pairs.values() for names in g.values() for n in names)),
+        key=int,
+    )
+    out = []
+    for step in steps:
+        loss = {
+            recipe: [statistics.fmean(runs[n]["validation"][step] for n in g[recipe]) for g in pairs.values()]
+            for recipe in (BASELINE, "fp8flow")
+        }
+        bf16, fp8 = loss[BASELINE], loss["fp8flow"]
+        gap = [f / b - 1 for f, b in zip(fp8, bf16, strict=True)]
+        out.append(
+            {
+                "step": int(step),
+                "seeds": len(pairs),
+                "bf16_loss": statistics.fmean(bf16),
+                "bf16_spread": statistics.stdev(bf16) / statistics.fmean(bf16),
+                "gap_mean": statistics.fmean(gap),
+                "gap_spread": statistics.stdev(gap),
+                # undefined where one recipe's losses are all equal (e.g. the first step of one initialization)
+                "correlation": statistics.correlation(bf16, fp8) if min(len(set(bf16)), len(set(fp8))) > 1 else None,
+            }
+        )
+    return out
+
+
 def _seed_standard_error(rows: list[dict[str, Any]], key: str) -> float | None:
     """Standard error of the mean gap with the seed as the unit: the sample standard deviation of the
     per-seed mean gaps over ``sqrt(seeds)``; ``None`` below :data:`MIN_SEEDS_FOR_SPREAD` seeds."""
@@ -614,6 +655,28 @@ def _pct(v: float | None) -> str:
     return "" if v is None else f"{100 * v:+.3f}%"
 
 
+def noise_by_step_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The table of :func:`noise_by_step` (nothing without rows)."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Held-out noise by step ({rows[0]['seeds']} seeds with both a BF16 and an FP8-Flow run): the BF16 loss's "
+        "spread across seeds, FP8-Flow's gap to its seed's BF16 (mean, spread) and the correlation of a seed's two "
+        "losses. Where the gap's spread grows with the step, a longer run decides no sooner.",
+        "",
+        "| step | BF16 held-out loss | BF16 spread across seeds | FP8-Flow gap | gap spread | correlation |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        corr = "" if r["correlation"] is None else f"{r['correlation']:.2f}"
+        lines.append(
+            f"| {r['step']} | {r['bf16_loss']:.4f} | {_pct(r['bf16_spread']).lstrip('+')} | {_pct(r['gap_mean'])} | "
+            f"{_pct(r['gap_spread']).lstrip('+')} | {corr} |"
+        )
+    return lines
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The report's markdown: one row per run, gaps to BF16 as signed percentages."""
     lines = [
@@ -666,6 +729,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {RECIPE_NAMES[recipe]} | {g['runs']} | {g['seeds']} | {cells[0]} | {cells[1]} | {g.get('goal', '')} "
             f"| {'' if decide is None else decide} |"
         )
+    lines += noise_by_step_markdown(doc.get("noise_by_step", []))
     lines += ["", "![loss curves](convergence.png)"]
     if any(s["sqnr"] or s["expert_grad_norm_last_half"] for s in doc["probes"].values()):
         lines += probe_markdown(doc) + ["", f"![per-layer numerics]({PROBE_PNG})"]
@@ -700,6 +764,7 @@ def report(runs_dir: Path, results_dir: Path) -> dict[str, Any]:
         "runs": summary,
         "gaps_by_recipe": gaps_by_recipe(summary),
         "run_noise": run_noise(summary),
+        "noise_by_step": noise_by_step(summary, runs),
         "curves": {
             name: {
                 "loss": r["losses"],

@@ -343,3 +343,32 @@ def test_a_seed_spread_wider_than_the_run_noise_widens_the_interval() -> None:
     by = bc.gaps_by_recipe(summary)["fp8flow"]["train_gap_last_half"]
     assert by["se_seeds"] > 10 * by["se_model"] and by["se"] == by["se_seeds"] and by["units"] == 5
     assert bc.gaps_by_recipe(summary)["fp8flow"]["goal"] != "met"
+
+
+def test_noise_by_step_pairs_each_seed_s_two_recipes_at_every_evaluation() -> None:
+    bf16 = [2.0, 2.1, 1.9, 2.05, 1.95]
+    fp8 = [2.02, 2.1, 1.92, 2.0, 1.96]
+    summary, runs = {}, {}
+    for seed, (b, f) in enumerate(zip(bf16, fp8, strict=True)):
+        for recipe, loss in ((bc.BASELINE, b), ("fp8flow", f)):
+            name = f"{recipe}_seed{seed}"
+            summary[name] = {"numerics": recipe, "seed": seed}
+            runs[name] = {"validation": {"1": 8.0, "250": loss}}
+    # a second FP8-Flow run of seed 0 counts at the seed's mean; an ablation is left out
+    summary["fp8flow_seed0_r2"] = {"numerics": "fp8flow", "seed": 0}
+    runs["fp8flow_seed0_r2"] = {"validation": {"1": 8.0, "250": 2.04}}
+    summary["ablation"] = {"numerics": "fp8flow_bf16_backward", "seed": 1}
+    runs["ablation"] = {"validation": {"1": 8.0, "250": 9.9}}
+    rows = bc.noise_by_step(summary, runs)
+    assert [r["step"] for r in rows] == [1, 250] and rows[0]["gap_spread"] == 0.0 and rows[0]["correlation"] is None
+    fp8[0] = 2.03
+    gaps = [f / b - 1 for f, b in zip(fp8, bf16, strict=True)]
+    last = rows[1]
+    assert last["seeds"] == 5 and last["bf16_loss"] == pytest.approx(statistics.fmean(bf16))
+    assert last["bf16_spread"] == pytest.approx(statistics.stdev(bf16) / statistics.fmean(bf16))
+    assert last["gap_mean"] == pytest.approx(statistics.fmean(gaps))
+    assert last["gap_spread"] == pytest.approx(statistics.stdev(gaps))
+    assert last["correlation"] == pytest.approx(statistics.correlation(bf16, fp8))
+    assert "| 250 | 2.0000 |" in "\n".join(bc.noise_by_step_markdown(rows))
+    del summary["fp8flow_seed4"]  # 4 seeds with both recipes: too few
+    assert bc.noise_by_step(summary, runs) == [] and bc.noise_by_step_markdown([]) == []
