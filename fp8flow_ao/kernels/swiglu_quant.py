@@ -387,13 +387,13 @@ _APPROX = not interpreting()
 
 def _kernel_flags(
     probs: torch.Tensor | None, group_end_offsets: torch.Tensor | None, score_before_experts: bool
-) -> dict:
-    """Constexpr flags of both kernels. Absent optional inputs pass ``h``'s pointer, never read."""
+) -> dict[str, bool]:
+    """The optional inputs' constexpr flags, shared by every kernel of the op (the Triton kernels add ``APPROX``).
+    Absent optional inputs pass a pointer of the launch's that is never read."""
     return {
         "HAS_PROBS": probs is not None,
         "SCORE_BEFORE_EXPERTS": bool(score_before_experts),
         "HAS_OFFSETS": group_end_offsets is not None,
-        "APPROX": _APPROX,
     }
 
 
@@ -426,6 +426,7 @@ def launch_swiglu_quant(
         h.stride(0),
         0 if group_end_offsets is None else group_end_offsets.numel(),
         **_kernel_flags(probs, group_end_offsets, score_before_experts),
+        APPROX=_APPROX,
         BLOCK_M=config.block_m,
         BLOCK_H=BLOCK,
         num_warps=config.num_warps,
@@ -471,6 +472,7 @@ def launch_swiglu_quant_backward(
         h.stride(0),
         0 if group_end_offsets is None else group_end_offsets.numel(),
         **_kernel_flags(probs, group_end_offsets, score_before_experts),
+        APPROX=_APPROX,
         BLOCK_M=BLOCK,
         BLOCK_H=BLOCK,
         COL_TILES=col_tiles,
@@ -766,9 +768,7 @@ def launch_swiglu_quant_backward_sm90(
         m,
         hidden,
         group_end_offsets.shape[0] if has_offsets else 0,
-        HAS_PROBS=probs is not None,
-        SCORE_BEFORE_EXPERTS=bool(score_before_experts),
-        HAS_OFFSETS=has_offsets,
+        **_kernel_flags(probs, group_end_offsets, score_before_experts),
         STAGES=SM90_STAGES,
         num_warps=SM90_WARPS.value,
         enable_fp_fusion=False,  # no fma contraction: the same roundings as the reference
