@@ -18,6 +18,8 @@ import stat
 import statistics
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -264,12 +266,37 @@ def test_runs_to_decide_projects_the_standard_error() -> None:
 
 
 _FAKE_PYTHON = """#!/usr/bin/env bash
-# Stands in for python3 in .ci/gpu: a GPU count for its query, a log line per training run.
+# Stands in for python3 in .ci/gpu: a GPU count for its query, a log line per training run; a run named "slow"
+# never ends, any other writes its result file.
 case "$*" in
   *device_count*) echo "${FAKE_GPUS:-1}" ;;
-  *bench_convergence.py*) echo "${CUDA_VISIBLE_DEVICES:-unset} $*" >>"$RUN_LOG" ;;
+  *"--name slow"*) exec sleep 60 ;;
+  *bench_convergence.py*)
+    echo "${CUDA_VISIBLE_DEVICES:-unset} $*" >>"$RUN_LOG"
+    args="$*"; name=${args#*--name }; name=${name%% *}
+    mkdir -p "$FP8FLOW_RESULTS_DIR/convergence_runs"; echo {} >"$FP8FLOW_RESULTS_DIR/convergence_runs/$name.json" ;;
 esac
 """
+
+
+def _run_ci_gpu_convergence(tmp_path: Path, env: dict, runs: list[str]) -> subprocess.CompletedProcess:
+    """``.ci/gpu OUT convergence RUNS`` from a copy of it, with python3 faked (its log: ``tmp_path/runs.log``)."""
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(REPO / ".ci" / "gpu", tmp_path / ".ci" / "gpu")  # it runs from its checkout's root: no wheels there
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(_FAKE_PYTHON)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    run_env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "GPUS", "CONVERGENCE_TIMEOUT")}
+    run_env.update(env, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", RUN_LOG=str(tmp_path / "runs.log"))
+    return subprocess.run(
+        ["bash", str(tmp_path / ".ci" / "gpu"), str(tmp_path / "out"), "convergence", *runs],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize(
@@ -286,29 +313,25 @@ esac
 def test_ci_gpu_spreads_convergence_runs_over_the_gpus(tmp_path: Path, env: dict, expected: list) -> None:
     """``.ci/gpu OUT convergence ...`` puts run I on GPU (I-1) mod N and tells each run how many share its GPU
     (``--shared-gpu``, which keeps a shared run's tokens/s out of the report); python3 is faked."""
-    (tmp_path / ".ci").mkdir()
-    shutil.copy(REPO / ".ci" / "gpu", tmp_path / ".ci" / "gpu")  # it runs from its checkout's root: no wheels there
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "python3"
-    fake.write_text(_FAKE_PYTHON)
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    log = tmp_path / "runs.log"
-    run_env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "GPUS")}
-    run_env.update(env, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", RUN_LOG=str(log))
     runs = [f"--recipe bf16 --name r{i} --seed {i}" for i in (1, 2, 3)]
-    done = subprocess.run(
-        ["bash", str(tmp_path / ".ci" / "gpu"), str(tmp_path / "out"), "convergence", *runs],
-        env=run_env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _run_ci_gpu_convergence(tmp_path, env, runs)
     assert done.returncode == 0, done.stderr
-    lines = sorted(log.read_text().splitlines(), key=lambda line: line.split("--name ")[1])
+    lines = sorted((tmp_path / "runs.log").read_text().splitlines(), key=lambda line: line.split("--name ")[1])
     got = [(line.split()[0], line.split("--shared-gpu ")[1].split()[0]) for line in lines]
     assert got == expected, lines
     assert all(f"--name r{i} " in line for i, line in zip((1, 2, 3), lines, strict=True)), lines
+
+
+def test_ci_gpu_convergence_stops_runs_at_the_call_deadline_and_keeps_what_finished(tmp_path: Path) -> None:
+    """A run still going at ``CALL_DEADLINE`` seconds is stopped (the call fails), and the runs that finished
+    are in ``results.tgz``: a device call cut off at its limit would otherwise lose every run."""
+    runs = ["--recipe bf16 --name fast --seed 1", "--recipe bf16 --name slow --seed 2"]
+    start = time.monotonic()
+    done = _run_ci_gpu_convergence(tmp_path, {"CALL_DEADLINE": "3"}, runs)
+    assert done.returncode == 1, done.stdout
+    assert time.monotonic() - start < 30  # the slow run sleeps 60 s
+    with tarfile.open(tmp_path / "out" / "results.tgz") as tar:
+        assert tar.getnames() == ["results", "results/convergence_runs", "results/convergence_runs/fast.json"]
 
 
 def test_the_standard_error_is_the_larger_of_run_noise_and_the_spread_of_seeds() -> None:
