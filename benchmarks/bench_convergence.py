@@ -343,8 +343,8 @@ def gaps_by_recipe(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
       gap is the recipe's one effect plus run noise;
     * from the seeds themselves (:func:`_seed_standard_error`, with :data:`MIN_SEEDS_FOR_SPREAD` seeds or
       more): the spread of the per-seed mean gaps over ``sqrt(seeds)``. It also holds where the recipe's
-      effect differs from seed to seed, which the first cannot see (measured: 46 FP8-Flow runs spread
-      0.70% against the 0.54% that run noise alone gives).
+      effect differs from seed to seed, which the first cannot see (measured: 54 FP8-Flow runs spread
+      0.66% against the 0.54% that run noise alone gives).
 
     A recipe to train with gets a verdict on the goal: "met" when ``mean +- 2 SE`` lies inside
     ``+-GOAL_GAP`` for both gaps, "missed" when it lies outside for either, else "undecided" (more runs

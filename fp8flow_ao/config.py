@@ -103,7 +103,7 @@ class FP8FlowConfig(AOBaseConfig):
         backward: ``"fp8"`` (FP8-Flow); ``"bf16_fc1_dgrad"``, FP8-Flow with FC1's dgrad (the gradient of the
             experts' input) in BF16: one BF16 GEMM in place of an FP8 one, for a loss curve nearer BF16's
             (2000-step torchtitan runs, training gap, mean +- 2 standard errors: +0.08% +- 0.40% over 7
-            runs where FP8-Flow has +0.03% +- 0.22% over 46; one run's gap carries 0.38% of noise, so the
+            runs where FP8-Flow has +0.01% +- 0.19% over 54; one run's gap carries 0.38% of noise, so the
             difference is not resolved; ``convergence.md``, 2026-11-27); 0.89-0.92x FP8-Flow's tokens/s; works
             with every other option but ``fsdp_fp8_all_gather`` (it needs the BF16 weights). Or an
             ablation for locating a loss gap to BF16, not for speed:

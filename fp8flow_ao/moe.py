@@ -401,8 +401,8 @@ def fp8flow_routed_experts(
         backward: ``"fp8"`` (FP8-Flow: every backward GEMM in FP8); ``"bf16_fc1_dgrad"`` -- the same with
             FC1's dgrad (the gradient of the experts' input, which flows back to the earlier layers) in BF16
             from the unquantized dh and the BF16 weights (:func:`_fc1_dgrad_bf16`): in 2000-step torchtitan
-            runs its mean loss gap to BF16 is +0.08% +- 0.40% (7 runs) against FP8-Flow's +0.03% +- 0.22%
-            (46 runs; mean +- 2 SE, one run's noise 0.38%: not resolved, ``convergence.md``, 2026-11-27), for
+            runs its mean loss gap to BF16 is +0.08% +- 0.40% (7 runs) against FP8-Flow's +0.01% +- 0.19%
+            (54 runs; mean +- 2 SE, one run's noise 0.38%: not resolved, ``convergence.md``, 2026-11-27), for
             one BF16 GEMM in place of an FP8 one (about 2/9 of the layer's GEMM FLOPs); it works with
             recompute, expert parallelism and compilation. Or an ablation for locating a loss gap, not
             for training speed: ``"bf16"`` -- the same FP8 forward, its gradients computed in BF16 with
