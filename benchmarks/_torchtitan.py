@@ -18,10 +18,21 @@ BASE_TOML = REPO / "torchtitan_configs/deepseek_v3_debug_bf16.toml"
 # The ways the routed experts run, as flags on top of a BF16 job config. "rowwise" is the
 # torchao-style FP8 row-wise baseline (per-row scales, torch._scaled_grouped_mm on torchtitan's own
 # expert path): torchtitan 0.2.2's quantize.grouped_mm.float8 converter cannot import torchao 0.18.
+_FP8FLOW = ["--model.converters", "fp8flow", "--fp8flow.recipe", "blockwise"]
 RECIPES: dict[str, list[str]] = {
     "bf16": [],
     "rowwise": ["--model.converters", "fp8flow", "--fp8flow.recipe", "rowwise"],
-    "fp8flow": ["--model.converters", "fp8flow", "--fp8flow.recipe", "blockwise"],
+    "fp8flow": _FP8FLOW,
+    # FP8-Flow with a torchtitan memory feature on (issue 10, item 3): the same arithmetic, recomputed.
+    "fp8flow_recompute": [*_FP8FLOW, "--fp8flow.recompute_experts"],
+    "fp8flow_ac_full": [*_FP8FLOW, "--activation_checkpoint.mode", "full"],
+    "fp8flow_ac_selective": [
+        *_FP8FLOW,
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ],  # fmt: skip
     "fp8flow_bf16_fc1_dgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "bf16_fc1_dgrad"],
     # Ablations, not recipes to train with: FP8-Flow's forward with all its gradients in BF16, or
     # FP8-Flow with only its weight gradients in BF16.
@@ -37,6 +48,11 @@ SAME_NUMERICS = {"fp8flow_eager_experts": "fp8flow"}
 """Recipes that train bit for bit as another one (what the report pools them with): FP8-Flow's routed path
 compiled (the default) and eager give identical outputs and gradients in torchtitan's one-GPU setting
 (fp32 parameters, bf16 autocast; the fp8flow_gpu flavor's shapes, H200)."""
+FEATURE_OF = {"fp8flow_recompute": "fp8flow", "fp8flow_ac_full": "fp8flow", "fp8flow_ac_selective": "fp8flow"}
+"""Recipes that train another one with a torchtitan feature on that recomputes instead of storing. On the CPU
+path ``recompute_experts`` trains bit for bit as FP8-Flow and activation checkpointing within float rounding
+(as it does BF16); on the GPU run noise comes on top, and ``bench_convergence``'s features table compares each
+run with its seed's runs of the recipe it recomputes."""
 TRAINING_RECIPES = ("bf16", "rowwise", "fp8flow", "fp8flow_bf16_fc1_dgrad")
 """The recipes a user trains with (each with a convergence goal); the rest are ablations."""
 E2E_RECIPES = ("bf16", "rowwise", "fp8flow")
@@ -49,6 +65,9 @@ RECIPE_NAMES = {
     "fp8flow_bf16_wgrad": "FP8-Flow, BF16 weight gradients (ablation)",
     "fp8flow_bf16_fc1_dgrad": "FP8-Flow, BF16 FC1 dgrad",
     "fp8flow_eager_experts": "FP8-Flow, routed experts not compiled (ablation)",
+    "fp8flow_recompute": "FP8-Flow, recompute_experts",
+    "fp8flow_ac_full": "FP8-Flow, activation checkpointing full",
+    "fp8flow_ac_selective": "FP8-Flow, activation checkpointing selective (op)",
     "fp8flow_emulated_fc1_dgrad": "FP8-Flow, FC1 dgrad emulated in BF16 (ablation)",
     "fp8flow_emulated_sr_fc1_dgrad": "FP8-Flow, FC1 dgrad on stochastically rounded dh, emulated (ablation)",
 }

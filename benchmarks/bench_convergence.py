@@ -46,6 +46,14 @@ dgrad gap between FC1's dgrad and the rest. Ablations are paired with BF16 like 
     python3 benchmarks/bench_convergence.py --recipe fp8flow_bf16_wgrad --steps 2000
     python3 benchmarks/bench_convergence.py --recipe fp8flow_bf16_fc1_dgrad --steps 2000
 
+torchtitan's features that recompute instead of storing (issue 10, item 3): ``fp8flow_recompute``
+(``fp8flow.recompute_experts``), ``fp8flow_ac_full`` and ``fp8flow_ac_selective`` (``activation_checkpoint.mode``,
+selective per op) train FP8-Flow with the feature on; the report's features table (:func:`feature_gaps`)
+compares each run with its seed's FP8-Flow runs, where a feature that computes the same values leaves run
+noise alone::
+
+    python3 benchmarks/bench_convergence.py --recipe fp8flow_recompute --name fp8flow_recompute_seed41 --seed 41 --steps 2000
+
 What a change to FC1's FP8 dgrad would do, before a kernel is written: ``fp8flow_emulated_fc1_dgrad`` runs
 that dgrad in BF16 GEMMs on FP8-Flow's own FP8 operands (a control: it should train as ``fp8flow``),
 ``fp8flow_emulated_sr_fc1_dgrad`` the same with dh rounded stochastically to its FP8 grid (unbiased)
@@ -88,6 +96,7 @@ from typing import Any
 import torch
 from _bench import RESULTS_DIR, device_name, versions
 from _torchtitan import (
+    FEATURE_OF,
     RECIPE_NAMES,
     REPO,
     SAME_NUMERICS,
@@ -426,6 +435,37 @@ def noise_by_step(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> l
     return out
 
 
+def feature_gaps(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per :data:`FEATURE_OF` recipe with runs, and pooled over them all (``"pooled"``, from two such recipes
+    on): the gaps of its runs to the mean of the same-seed runs of the recipe it recomputes (FP8-Flow, not
+    BF16; a run with no such seed is left out), as ``GAP_KEYS`` stats: mean, min, max and ``se``, the larger of
+    the run-noise model's (``sigma * sqrt(1 + 1/m)`` a run, ``m`` runs in its baseline) and, from
+    :data:`MIN_SEEDS_FOR_SPREAD` runs on, the runs' spread over ``sqrt(runs)``. A feature that only moves where
+    values are computed leaves these gaps at run noise: mean near 0 within ``2 se``."""
+    sigma = {k: v["sigma"] for k, v in run_noise(summary).items()}
+    by_feature: dict[str, list[dict[str, float]]] = {}
+    for r in runs.values():
+        base = FEATURE_OF.get(r["recipe"])
+        same = sorted(n for n, q in runs.items() if q["recipe"] == base and q["seed"] == r["seed"])
+        if base is not None and same:
+            g = gaps(r, mean_run(same, runs))
+            by_feature.setdefault(r["recipe"], []).append({"seed": r["seed"], "m": len(same), **g})
+    if len(by_feature) > 1:
+        by_feature["pooled"] = [g for rows in list(by_feature.values()) for g in rows]
+    out = {}
+    for feature, rows in by_feature.items():
+        out[feature] = {"runs": len(rows), "seeds": sorted({g["seed"] for g in rows})}
+        for key in GAP_KEYS:
+            values = [g[key] for g in rows if g[key] is not None]
+            n = len(values)
+            stats: dict[str, Any] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+            se = [sigma[key] * math.sqrt(sum(1 + 1 / g["m"] for g in rows)) / n] if sigma[key] else []
+            se += [statistics.stdev(values) / math.sqrt(n)] if n >= MIN_SEEDS_FOR_SPREAD else []
+            stats["se"] = max(se, default=None)
+            out[feature][key] = stats
+    return out
+
+
 def _seed_standard_error(rows: list[dict[str, Any]], key: str) -> float | None:
     """Standard error of the mean gap with the seed as the unit: the sample standard deviation of the
     per-seed mean gaps over ``sqrt(seeds)``; ``None`` below :data:`MIN_SEEDS_FOR_SPREAD` seeds."""
@@ -677,6 +717,28 @@ def noise_by_step_markdown(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def feature_gaps_markdown(features: dict[str, dict[str, Any]]) -> list[str]:
+    """The table of :func:`feature_gaps` (nothing without feature runs)."""
+    if not features:
+        return []
+    lines = [
+        "",
+        "torchtitan features (recompute instead of store): each run's gap to the mean of its seed's runs of the "
+        "recipe it recomputes (not BF16), mean +- 2 standard errors [min, max]; the standard error is the larger of "
+        "the run-noise model's and, from "
+        f"{MIN_SEEDS_FOR_SPREAD} runs on, the runs' own spread. A feature that computes the same values leaves "
+        "these gaps at run noise.",
+        "",
+        "| feature | runs | seeds | train gap, last half | held-out gap |",
+        "|---|---|---|---|---|",
+    ]
+    for feature, g in features.items():
+        label = "pooled" if feature == "pooled" else RECIPE_NAMES[feature]
+        cells = [_interval(g[k]) for k in GAP_KEYS]
+        lines.append(f"| {label} | {g['runs']} | {g['seeds']} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The report's markdown: one row per run, gaps to BF16 as signed percentages."""
     lines = [
@@ -729,6 +791,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {RECIPE_NAMES[recipe]} | {g['runs']} | {g['seeds']} | {cells[0]} | {cells[1]} | {g.get('goal', '')} "
             f"| {'' if decide is None else decide} |"
         )
+    lines += feature_gaps_markdown(doc.get("feature_gaps", {}))
     lines += noise_by_step_markdown(doc.get("noise_by_step", []))
     lines += ["", "![loss curves](convergence.png)"]
     if any(s["sqnr"] or s["expert_grad_norm_last_half"] for s in doc["probes"].values()):
@@ -765,6 +828,7 @@ def report(runs_dir: Path, results_dir: Path) -> dict[str, Any]:
         "gaps_by_recipe": gaps_by_recipe(summary),
         "run_noise": run_noise(summary),
         "noise_by_step": noise_by_step(summary, runs),
+        "feature_gaps": feature_gaps(summary, runs),
         "curves": {
             name: {
                 "loss": r["losses"],

@@ -44,7 +44,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     common = ["--device", "cpu", "--steps", "3", "--val-freq", "2", "--corpus", str(tmp / "corpus")]
     for recipe in ("bf16", "fp8flow"):
         bc.main(["--recipe", recipe, *common, "--probe-every", "2", "--runs-dir", str(tmp / "runs")])
-    bc.main(["--recipe", "fp8flow", *common, "--runs-dir", str(tmp / "unprobed")])
+    for recipe in ("fp8flow", *bc.FEATURE_OF):
+        bc.main(["--recipe", recipe, *common, "--runs-dir", str(tmp / "unprobed")])
     bc.main(["--report", "--runs-dir", str(tmp / "runs"), "--results-dir", str(tmp / "results")])
     return tmp / "runs", tmp / "results"
 
@@ -68,6 +69,22 @@ def test_probe_leaves_training_bit_identical(runs: tuple[Path, Path]) -> None:
     assert probed["probe_every"] == 2 and plain["probe_every"] == 0 and plain["probes"] == []
     for key in ("losses", "grad_norms", "validation"):
         assert probed[key] == plain[key], key
+
+
+@pytest.mark.parametrize("feature", sorted(bc.FEATURE_OF))
+def test_a_feature_that_recomputes_trains_as_fp8flow_on_the_cpu(runs: tuple[Path, Path], feature: str) -> None:
+    """recompute_experts recomputes the experts from their FP8 input: bit for bit the plain FP8-Flow run on the
+    CPU's deterministic kernels. Activation checkpointing moves the losses by float rounding alone: torchtitan's
+    own BF16 model under ``activation_checkpoint.mode = "full"`` moved step 3's loss by 4.5e-6 (relative) here."""
+    unprobed = runs[0].parent / "unprobed"
+    run, plain = (json.loads((unprobed / f"{n}.json").read_text()) for n in (feature, bc.FEATURE_OF[feature]))
+    assert run["torchtitan_flags"] != plain["torchtitan_flags"], "the feature's flags reached torchtitan"
+    rel = 0.0 if feature == "fp8flow_recompute" else 2e-5
+    for key in ("losses", "grad_norms"):
+        assert run[key] == pytest.approx(plain[key], rel=rel, abs=0.0), key
+    assert run["validation"].keys() == plain["validation"].keys()
+    assert list(run["validation"].values()) == pytest.approx(list(plain["validation"].values()), rel=rel, abs=0.0)
+    assert run["losses"][0] == plain["losses"][0], "same seed, same first batch, same forward"
 
 
 def test_probe_records_per_layer_sqnr_and_expert_grad_norms(runs: tuple[Path, Path]) -> None:
@@ -366,6 +383,39 @@ def test_a_seed_spread_wider_than_the_run_noise_widens_the_interval() -> None:
     by = bc.gaps_by_recipe(summary)["fp8flow"]["train_gap_last_half"]
     assert by["se_seeds"] > 10 * by["se_model"] and by["se"] == by["se_seeds"] and by["units"] == 5
     assert bc.gaps_by_recipe(summary)["fp8flow"]["goal"] != "met"
+
+
+def test_feature_runs_are_compared_with_their_seed_s_fp8flow_runs_and_pooled() -> None:
+    runs = {
+        "bf16": _run("bf16", "bf16", 0, 2.0),
+        "bf16_repeat": _run("bf16_repeat", "bf16", 0, 2.02),  # run noise: sigma from this repeat
+        "fp8flow": _run("fp8flow", "fp8flow", 0, 2.04, 2.04),
+        "fp8flow_r2": _run("fp8flow_r2", "fp8flow", 0, 2.06, 2.02),
+        "fp8flow_seed1": _run("fp8flow_seed1", "fp8flow", 1, 2.1),
+        "rec": _run("rec", "fp8flow_recompute", 0, 2.05, 2.06),
+        "rec_seed1": _run("rec_seed1", "fp8flow_recompute", 1, 2.08),
+        "full": _run("full", "fp8flow_ac_full", 1, 2.12),
+        "orphan": _run("orphan", "fp8flow_ac_selective", 7, 2.0),  # no FP8-Flow run of seed 7: left out
+    }
+    s = bc.summarize(runs)
+    assert s["rec"]["baseline"] == "bf16+bf16_repeat", "against BF16 like every FP8 run"
+    f = bc.feature_gaps(s, runs)
+    assert set(f) == {"fp8flow_recompute", "fp8flow_ac_full", "pooled"}
+    rec = f["fp8flow_recompute"]
+    assert rec["runs"] == 2 and rec["seeds"] == [0, 1]
+    # seed 0 against the mean of its two FP8-Flow runs; seed 1 against its one
+    train = [(2.0 + 2.05) / (2.0 + 2.05) - 1, (2.0 + 2.08) / (2.0 + 2.1) - 1]
+    assert rec["train_gap_last_half"]["mean"] == pytest.approx(statistics.fmean(train))
+    assert rec["heldout_gap_final"]["min"] == pytest.approx(2.08 / 2.1 - 1)
+    assert rec["heldout_gap_final"]["max"] == pytest.approx(2.06 / 2.03 - 1)
+    sigma = bc.run_noise(s)["train_gap_last_half"]["sigma"]
+    assert rec["train_gap_last_half"]["se"] == pytest.approx(sigma * math.sqrt((1 + 1 / 2) + (1 + 1 / 1)) / 2)
+    assert f["pooled"]["runs"] == 3 and f["pooled"]["seeds"] == [0, 1]
+    table = "\n".join(bc.feature_gaps_markdown(f))
+    assert "| FP8-Flow, recompute_experts | 2 | [0, 1] |" in table and "| pooled | 3 |" in table
+    assert bc.feature_gaps(s, {n: r for n, r in runs.items() if n not in ("full", "orphan")}).keys() == {
+        "fp8flow_recompute"
+    }, "one feature: nothing to pool"
 
 
 def test_noise_by_step_pairs_each_seed_s_two_recipes_at_every_evaluation() -> None:
