@@ -23,7 +23,7 @@ RECIPES: dict[str, list[str]] = {
     "bf16": [],
     "rowwise": ["--model.converters", "fp8flow", "--fp8flow.recipe", "rowwise"],
     "fp8flow": _FP8FLOW,
-    # FP8-Flow with a torchtitan memory feature on (issue 10, item 3): the same arithmetic, recomputed.
+    # FP8-Flow with a torchtitan memory feature on (issue 10, item 3): values recomputed in backward, not stored.
     "fp8flow_recompute": [*_FP8FLOW, "--fp8flow.recompute_experts"],
     "fp8flow_ac_full": [*_FP8FLOW, "--activation_checkpoint.mode", "full"],
     "fp8flow_ac_selective": [
@@ -32,7 +32,7 @@ RECIPES: dict[str, list[str]] = {
         "selective",
         "--activation_checkpoint.selective_ac_option",
         "op",
-    ],  # fmt: skip
+    ],
     "fp8flow_bf16_fc1_dgrad": ["--model.converters", "fp8flow", "--fp8flow.backward", "bf16_fc1_dgrad"],
     # Ablations, not recipes to train with: FP8-Flow's forward with all its gradients in BF16, or
     # FP8-Flow with only its weight gradients in BF16.

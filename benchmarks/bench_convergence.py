@@ -456,10 +456,14 @@ def feature_gaps(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> di
     for feature, rows in by_feature.items():
         out[feature] = {"runs": len(rows), "seeds": sorted({g["seed"] for g in rows})}
         for key in GAP_KEYS:
-            values = [g[key] for g in rows if g[key] is not None]
-            n = len(values)
-            stats: dict[str, Any] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
-            se = [sigma[key] * math.sqrt(sum(1 + 1 / g["m"] for g in rows)) / n] if sigma[key] else []
+            kept = [g for g in rows if g[key] is not None]
+            values, n = [g[key] for g in kept], len(kept)
+            stats: dict[str, Any] = {
+                "mean": statistics.fmean(values) if values else None,
+                "min": min(values, default=None),
+                "max": max(values, default=None),
+            }
+            se = [sigma[key] * math.sqrt(sum(1 + 1 / g["m"] for g in kept)) / n] if sigma[key] and n else []
             se += [statistics.stdev(values) / math.sqrt(n)] if n >= MIN_SEEDS_FOR_SPREAD else []
             stats["se"] = max(se, default=None)
             out[feature][key] = stats

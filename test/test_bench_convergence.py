@@ -411,6 +411,11 @@ def test_feature_runs_are_compared_with_their_seed_s_fp8flow_runs_and_pooled() -
     sigma = bc.run_noise(s)["train_gap_last_half"]["sigma"]
     assert rec["train_gap_last_half"]["se"] == pytest.approx(sigma * math.sqrt((1 + 1 / 2) + (1 + 1 / 1)) / 2)
     assert f["pooled"]["runs"] == 3 and f["pooled"]["seeds"] == [0, 1]
+    unscored = {**runs, "full": {**runs["full"], "validation": {}}}  # a run that never evaluated
+    f = bc.feature_gaps(s, unscored)
+    assert f["fp8flow_ac_full"]["heldout_gap_final"] == {"mean": None, "min": None, "max": None, "se": None}
+    assert f["fp8flow_ac_full"]["train_gap_last_half"]["mean"] is not None and f["pooled"]["heldout_gap_final"]["se"]
+    assert "| FP8-Flow, activation checkpointing full | 1 | [1] |" in "\n".join(bc.feature_gaps_markdown(f))
     table = "\n".join(bc.feature_gaps_markdown(f))
     assert "| FP8-Flow, recompute_experts | 2 | [0, 1] |" in table and "| pooled | 3 |" in table
     assert bc.feature_gaps(s, {n: r for n, r in runs.items() if n not in ("full", "orphan")}).keys() == {
