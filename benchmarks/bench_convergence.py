@@ -343,6 +343,15 @@ def _same_seed(row: dict[str, Any], summary: dict[str, Any]) -> bool:
     return all(summary[n]["seed"] == row["seed"] for n in row["baseline"].split("+"))
 
 
+def _mean_min_max(values: list[float]) -> dict[str, Any]:
+    """The gap stats every table starts from (``None`` each without values)."""
+    return {
+        "mean": statistics.fmean(values) if values else None,
+        "min": min(values, default=None),
+        "max": max(values, default=None),
+    }
+
+
 def gaps_by_recipe(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per recipe (runs of :data:`SAME_NUMERICS` recipes pooled with theirs), the gaps of its runs to their BF16 baselines: mean, min, max, count, and for FP8 recipes the
     mean's standard error ``se``, the larger of two estimates (both kept, ``se_model`` and ``se_seeds``):
@@ -371,11 +380,7 @@ def gaps_by_recipe(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
         for key in GAP_KEYS:
             kept = [r for r in rows if r[key] is not None]
             values = [r[key] for r in kept]
-            stats: dict[str, Any] = {
-                "mean": statistics.fmean(values) if values else None,
-                "min": min(values, default=None),
-                "max": max(values, default=None),
-            }
+            stats = _mean_min_max(values)
             sigma = noise[key]["sigma"]
             if recipe != BASELINE and values and sigma is not None:
                 n = len(kept)
@@ -458,11 +463,7 @@ def feature_gaps(summary: dict[str, Any], runs: dict[str, dict[str, Any]]) -> di
         for key in GAP_KEYS:
             kept = [g for g in rows if g[key] is not None]
             values, n = [g[key] for g in kept], len(kept)
-            stats: dict[str, Any] = {
-                "mean": statistics.fmean(values) if values else None,
-                "min": min(values, default=None),
-                "max": max(values, default=None),
-            }
+            stats = _mean_min_max(values)
             se = [sigma[key] * math.sqrt(sum(1 + 1 / g["m"] for g in kept)) / n] if sigma[key] and n else []
             se += [statistics.stdev(values) / math.sqrt(n)] if n >= MIN_SEEDS_FOR_SPREAD else []
             stats["se"] = max(se, default=None)

@@ -415,8 +415,8 @@ def test_feature_runs_are_compared_with_their_seed_s_fp8flow_runs_and_pooled() -
     f = bc.feature_gaps(s, unscored)
     assert f["fp8flow_ac_full"]["heldout_gap_final"] == {"mean": None, "min": None, "max": None, "se": None}
     assert f["fp8flow_ac_full"]["train_gap_last_half"]["mean"] is not None and f["pooled"]["heldout_gap_final"]["se"]
-    assert "| FP8-Flow, activation checkpointing full | 1 | [1] |" in "\n".join(bc.feature_gaps_markdown(f))
     table = "\n".join(bc.feature_gaps_markdown(f))
+    assert "| FP8-Flow, activation checkpointing full | 1 | [1] |" in table
     assert "| FP8-Flow, recompute_experts | 2 | [0, 1] |" in table and "| pooled | 3 |" in table
     assert bc.feature_gaps(s, {n: r for n, r in runs.items() if n not in ("full", "orphan")}).keys() == {
         "fp8flow_recompute"
