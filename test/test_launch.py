@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from fp8flow_ao.kernels import _launch
 from fp8flow_ao.kernels._launch import launch_kernel
@@ -38,6 +41,9 @@ def test_each_specialization_gets_its_own_entry():
             torch.testing.assert_close(_scaled_copy(x, 2.0), x * 2.0, rtol=0, atol=0)
     # n in {1, 16, other} x pointers 16-byte aligned or not x dtype: twelve specializations
     assert len(_launch._ENTRIES) - before == len(cases)
+    if triton.__version__.startswith("3.6."):  # served by Triton 3.6's C launcher, called directly
+        entries = [e for e in _launch._ENTRIES.values() if e.pins[0] is _scaled_copy_kernel]
+        assert all(e.c_launch is not None and e.encodings == () for e in entries)
 
 
 @pytest.mark.gpu
@@ -74,3 +80,83 @@ def test_plain_form_takes_the_sm90_kernel_only_where_tma_can_load_it(monkeypatch
     assert not takes(aligned, torch.zeros(64, dtype=torch.int32))  # gathering
     assert not takes(buf[1 : 1 + 64 * 256].view(64, 256), None)  # base 2 bytes off
     assert not takes(buf[: 64 * 260].view(64, 260)[:, :256], None)  # rows of 520 bytes
+
+
+def _desc_kernel(x_ptr, desc, n, BLOCK: tl.constexpr):  # only its signature is read (never compiled here)
+    pass
+
+
+class _FakeLauncher:
+    """A Triton 3.6 ``CudaLauncher``'s fields; called only where the cache must not take the C launcher."""
+
+    global_scratch_size = 0
+    profile_scratch_size = 0
+    launch_cooperative_grid = False
+    launch_pdl = True
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.mark.parametrize("fp4_padded", [False, True])
+def test_cached_launch_calls_triton_3_6_c_launcher_with_encoded_descriptors(monkeypatch, fp4_padded):
+    """A cached launch calls the C launcher directly, as ``CudaLauncher.__call__`` and Triton 3.6's descriptor
+    wrapper would: the base arguments in their order, each TMA descriptor as (encoded map, shape, strides)
+    with the encoding parameters of the kernel's metadata, then the constexpr tail. A descriptor this module
+    does not encode (FP4-padded boxes) keeps the launch on the Python launcher."""
+    kernel = JITFunction(_desc_kernel)
+    run = _FakeLauncher()
+    meta = {"swizzle": 3, "elem_size": 1, "elem_type": 9, "block_size": [128, 64], "fp4_padded": fp4_padded}
+    compiled = SimpleNamespace(
+        run=run,
+        function=11,
+        packed_metadata=(4, 1, 0),
+        src=SimpleNamespace(signature={"x_ptr": "*fp32", "desc": "tensordesc<fp8e4nv[128, 64]>", "n": "i32"}),
+        metadata=SimpleNamespace(tensordesc_meta=[meta]),
+    )
+    compiles, c_calls, fills = [], [], []
+    monkeypatch.setattr(kernel, "run", lambda *args, **kwargs: compiles.append(args) or compiled)
+    monkeypatch.setattr(_launch, "_c_launcher", lambda launcher: lambda *args: c_calls.append(args))
+    monkeypatch.setattr(_launch, "_tma_fill", lambda: lambda *args: fills.append(args) or "tma-map")
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_raw_stream", lambda device: 99)
+    x = torch.empty(64)
+    t = torch.empty(256, 192, dtype=torch.float8_e4m3fn)
+    desc = descriptor(t, (128, 64))
+    for _ in range(2):
+        launch_kernel(kernel, (3, 2), x, desc, 5, BLOCK=64)
+    assert len(compiles) == 1  # the first launch compiles (kernel[grid]); the second is served by the cache
+    if fp4_padded:
+        assert not c_calls and not fills
+        assert run.calls == [(3, 2, 1, 99, 11, (4, 1, 0), None, None, None, x, desc, 5, 64)]
+        return
+    assert not run.calls
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    assert fills == [(t.data_ptr(), 3, 1, TMA_DTYPE_DEVICE_TO_HOST[9], [128, 64], [256, 192], [192, 1], 0)]
+    base = (3, 2, 1, 99, 11, False, True, None, None, (4, 1, 0), None, None, None)
+    assert c_calls == [(*base, x, "tma-map", 256, 192, 192, 1, 5, 64)]
+
+
+@pytest.mark.hopper
+def test_cached_c_launch_of_a_tma_kernel_gives_the_first_launch_s_results():
+    """The scaling-aware transpose's Hopper kernel (TMA descriptors) launched again and again on fresh operands of
+    one specialization: every launch matches the reference bit for bit, and on Triton 3.6 the cached ones
+    went through the C launcher with their descriptors encoded here."""
+    from fp8flow_ao._format import quantize_rows_reference
+    from fp8flow_ao.kernels import scaling_aware_transpose as sat
+
+    for _ in range(3):
+        data, scale_inv = quantize_rows_reference(torch.randn(384, 640).bfloat16() * 7, 128)
+        data, scale_inv = data.cuda(), scale_inv.cuda()
+        data_t, scale_t = sat.launch_scaling_aware_transpose_sm90(data, scale_inv)
+        ref_t, ref_scale_t = sat.scaling_aware_transpose_reference(data.cpu(), scale_inv.cpu())
+        assert torch.equal(data_t.cpu().view(torch.uint8), ref_t.view(torch.uint8))
+        assert torch.equal(scale_t.cpu(), ref_scale_t)
+    entries = [e for e in _launch._ENTRIES.values() if e.pins[0] is sat._scaling_aware_transpose_sm90_kernel]
+    assert entries and all(e.encodings for e in entries)
+    if triton.__version__.startswith("3.6."):
+        assert all(e.c_launch is not None for e in entries)

@@ -12,6 +12,15 @@ launch of each key goes through ``kernel[grid]`` (compiling if needed), so Trito
 source of the compiled kernel; the key is at least as fine as Triton's own (every argument fully
 specialized), so one entry never serves two of Triton's specializations.
 
+Where the compiled kernel's launcher has Triton 3.6's form (a C ``launch`` taking the base arguments
+``iiiKKppOOOOOO``, behind ``CudaLauncher.__call__`` and, for kernels with TMA descriptors, a Python
+wrapper that encodes each descriptor), the cache entry holds that C function and the descriptors'
+encoding parameters, and a launch calls it directly: on a GPU machine's host each launch then skips
+~40 us of Python (two closures and scratch checks per call, the wrapper's per-argument loop, five dict
+lookups per descriptor). A descriptor is encoded with the same driver call (``fill_tma_descriptor``)
+and parameters Triton's wrapper would use. Other launcher forms (other Triton versions, kernels with
+global or profile scratch, FP4-padded descriptors) go through ``CompiledKernel.run`` as before.
+
 Not taken (``kernel[grid]`` is called as is): under ``TRITON_INTERPRET=1``; while a Triton launch hook
 is installed (e.g. the proton profiler, which needs the launch metadata); for kernels that are not
 plain ``JITFunction`` s (autotuners); on a Triton whose ``CompiledKernel`` lacks the launcher fields
@@ -21,6 +30,7 @@ this module calls (checked at each first launch of a key). Changing Triton knobs
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,14 +45,112 @@ try:  # Triton's own specializer (C++; triton 3.4+)
 except ImportError:  # pragma: no cover - older Triton: every launch takes kernel[grid]
     native_specialize_impl = None
 
-# (id of the kernel, device, specialization of each runtime argument, constexprs and options) -> launch
-# entry, which holds the kernel itself so that its id stays its own. Keyed by id: hashing a JITFunction
-# hashes its source key in Python.
-_ENTRIES: dict[tuple[Any, ...], tuple[Callable[..., Any], Any, Any, tuple[Any, ...], JITFunction]] = {}
+# (id of the kernel, device, specialization of each runtime argument, constexprs and options) -> _Entry.
+# Keyed by id: hashing a JITFunction hashes its source key in Python; the entry holds the kernel (and every
+# layout keyed by id, see _descriptor_key) so that an id in a key is never another object's.
+_ENTRIES: dict[tuple[Any, ...], _Entry] = {}
 # torch.cuda.current_device() without its Python lazy-init checks: CUDA is up once a kernel gets tensors
 # (a CPU-only torch has neither, and never gets here with a JITFunction to launch).
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# The base arguments of Triton 3.6's C launcher: grid x/y/z, stream, function, cooperative, PDL, global and
+# profile scratch, kernel metadata, launch metadata, enter and exit hooks; the kernel's arguments follow.
+_C_LAUNCH_BASE_FORMAT = "iiiKKppOOOOOO"
+
+
+class _Entry:
+    """How one specialization of a kernel is launched: ``c_launch`` (Triton 3.6's C launcher, called directly;
+    ``None``: through ``run``, the ``CompiledKernel``'s Python launcher) and, for its TMA descriptors in
+    argument order, ``encodings``: (swizzle, element size, host element type, box) as Triton encodes them."""
+
+    __slots__ = ("run", "c_launch", "fill", "encodings", "function", "metadata", "cooperative", "pdl", "tail", "pins")
+
+    def __init__(self, compiled: Any, args: Sequence[Any], tail: tuple[Any, ...], pins: tuple[Any, ...]):
+        run = compiled.run
+        self.run, self.function, self.metadata, self.tail, self.pins = (
+            run,
+            compiled.function,
+            compiled.packed_metadata,
+            tail,
+            pins,
+        )
+        self.cooperative = getattr(run, "launch_cooperative_grid", False)
+        self.pdl = getattr(run, "launch_pdl", False)
+        self.encodings = _tma_encodings(compiled, args)
+        self.fill = _tma_fill() if self.encodings else None
+        fast = self.encodings == () or self.fill is not None
+        self.c_launch = _c_launcher(run) if fast and not _has_scratch(run) else None
+
+
+def _c_launcher(run: Any) -> Callable[..., Any] | None:
+    """The C ``launch`` behind a Triton 3.6 ``CudaLauncher`` (its ``launch`` itself, or the one its descriptor
+    wrapper closes over); ``None`` for any other launcher form."""
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+        return None
+    if getattr(driver, "_BASE_ARGS_FORMAT", None) != _C_LAUNCH_BASE_FORMAT:
+        return None
+    launch = getattr(run, "launch", None)
+    for candidate in (launch, *(cell.cell_contents for cell in getattr(launch, "__closure__", None) or ())):
+        if isinstance(candidate, types.BuiltinFunctionType) and candidate.__name__ == "launch":
+            return candidate
+    return None
+
+
+def _tma_fill() -> Callable[..., Any] | None:
+    """Triton 3.6's driver call that encodes a TMA descriptor (``None`` where the driver has no such call)."""
+    import triton
+
+    return getattr(triton.runtime.driver.active.utils, "fill_tma_descriptor", None)
+
+
+def _has_scratch(run: Any) -> bool:
+    # Scratch is allocated per launch by CudaLauncher.__call__: such kernels keep that path.
+    return bool(getattr(run, "global_scratch_size", 1)) or bool(getattr(run, "profile_scratch_size", 1))
+
+
+def _tma_encodings(compiled: Any, args: Sequence[Any]) -> tuple[tuple[Any, ...], ...] | None:
+    """(swizzle, element size, host element type, box) of each TMA descriptor among ``args``, read from the
+    compiled kernel's metadata as Triton 3.6's ``make_tensordesc_arg`` reads them; ``()`` without
+    descriptors; ``None`` where this module cannot encode them as Triton would (no per-descriptor metadata,
+    FP4-padded boxes, a descriptor type it does not know, another Triton's driver)."""
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if signature is None:
+        return None
+    in_signature = sum(isinstance(t, str) and t.startswith("tensordesc") for t in signature.values())
+    ours = sum(isinstance(a, TensorDescriptor) for a in args)
+    if in_signature != ours:
+        return None
+    if ours == 0:
+        return ()
+    metas = getattr(compiled.metadata, "tensordesc_meta", None)
+    try:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    except ImportError:  # pragma: no cover
+        return None
+    if not metas or len(metas) != ours or any(m is None or m.get("fp4_padded") for m in metas):
+        return None
+    return tuple(
+        (m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]], m["block_size"]) for m in metas
+    )
+
+
+def _with_tma_maps(args: Sequence[Any], encodings: tuple[tuple[Any, ...], ...], fill: Callable[..., Any]) -> list:
+    """``args`` as the C launcher takes them: each descriptor replaced by its encoded TMA map, shape and strides
+    (what Triton 3.6's ``make_tensordesc_arg`` returns for it)."""
+    flat: list[Any] = []
+    descriptors = iter(encodings)
+    for a in args:
+        if isinstance(a, TensorDescriptor):
+            swizzle, elem_size, elem_type, box = next(descriptors)
+            nan = 1 if a.padding == "nan" else 0
+            flat.append(fill(a.base.data_ptr(), swizzle, elem_size, elem_type, box, a.shape, a.strides, nan))
+            flat += a.shape
+            flat += a.strides
+        else:
+            flat.append(a)
+    return flat
 
 
 def cdiv(a: int, b: int) -> int:
@@ -63,8 +171,9 @@ def _hooks_installed() -> bool:
 
 def _descriptor_key(arg: TensorDescriptor) -> tuple[Any, ...]:
     # What Triton's specialization of a descriptor holds (its dtype, block and layout), without the
-    # string it formats from them: the layout's repr made a descriptor 5x a tensor's cost.
-    return (arg.base.dtype, *arg.block_shape, arg.layout, arg.padding)
+    # string it formats from them (the layout's repr made a descriptor 5x a tensor's cost) nor the layout's
+    # Python __hash__: the layout by id, which the entry pins (see _ENTRIES).
+    return (arg.base.dtype, *arg.block_shape, id(arg.layout), arg.padding)
 
 
 def _constexpr_tail(kernel: JITFunction, n_args: int, constexprs: dict[str, Any]) -> tuple[Any, ...]:
@@ -109,15 +218,32 @@ def launch_kernel(kernel: Any, grid: Sequence[int], *args: Any, **constexprs: An
     if entry is None:
         compiled = kernel[grid](*args, **constexprs)
         if all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
-            _ENTRIES[key] = (
-                compiled.run,
-                compiled.function,
-                compiled.packed_metadata,
-                _constexpr_tail(kernel, len(args), constexprs),
-                kernel,
-            )
+            pins = (kernel, *(a.layout for a in args if isinstance(a, TensorDescriptor)))
+            _ENTRIES[key] = _Entry(compiled, args, _constexpr_tail(kernel, len(args), constexprs), pins)
         return
-    run, function, metadata, tail, _ = entry
     grid_y = grid[1] if len(grid) > 1 else 1
     grid_z = grid[2] if len(grid) > 2 else 1
-    run(grid[0], grid_y, grid_z, _raw_stream(device), function, metadata, None, None, None, *args, *tail)
+    stream = _raw_stream(device)
+    c_launch = entry.c_launch
+    if c_launch is None:
+        entry.run(grid[0], grid_y, grid_z, stream, entry.function, entry.metadata, None, None, None, *args, *entry.tail)
+        return
+    if entry.encodings:
+        args = _with_tma_maps(args, entry.encodings, entry.fill)
+    c_launch(
+        grid[0],
+        grid_y,
+        grid_z,
+        stream,
+        entry.function,
+        entry.cooperative,
+        entry.pdl,
+        None,
+        None,
+        entry.metadata,
+        None,
+        None,
+        None,
+        *args,
+        *entry.tail,
+    )
