@@ -67,14 +67,9 @@ class _Entry:
     __slots__ = ("run", "c_launch", "fill", "encodings", "function", "metadata", "cooperative", "pdl", "tail", "pins")
 
     def __init__(self, compiled: Any, args: Sequence[Any], tail: tuple[Any, ...], pins: tuple[Any, ...]):
-        run = compiled.run
-        self.run, self.function, self.metadata, self.tail, self.pins = (
-            run,
-            compiled.function,
-            compiled.packed_metadata,
-            tail,
-            pins,
-        )
+        self.run = run = compiled.run
+        self.function, self.metadata = compiled.function, compiled.packed_metadata
+        self.tail, self.pins = tail, pins
         self.cooperative = getattr(run, "launch_cooperative_grid", False)
         self.pdl = getattr(run, "launch_pdl", False)
         self.encodings = _tma_encodings(compiled, args)
