@@ -404,12 +404,14 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every launch config (no autotune)")
     parser.add_argument("--weights", action="store_true", help="bf16 weights quantized in the GEMM vs before it")
     parser.add_argument("--passes", default=",".join(PASSES), help="comma-separated subset of forward,dgrad,wgrad")
+    parser.add_argument("--tag", default="", help="appended to the result files' names (keeps another run's files)")
     args = parser.parse_args()
+    suffix = f"_{args.tag}" if args.tag else ""
     if not require_cuda("bench_grouped_gemm_fp8_blockwise"):
         return
     if args.weights:
         write_results(
-            "grouped_gemm_weights",
+            "grouped_gemm_weights" + suffix,
             run_weights(args.passes.split(",")),
             "ours = bf16 weights as the op's b, quantized tile by tile in the kernel (bit-identical to the "
             "separate path); baselines: quantize_128x128 of the weight (the pass's orientation) + the FP8 call, "
@@ -418,7 +420,7 @@ def main() -> None:
         return
     if args.sweep:
         write_results(
-            "grouped_gemm_fp8_blockwise_sweep",
+            "grouped_gemm_fp8_blockwise_sweep" + suffix,
             run_sweep(args.passes.split(",")),
             "Each launch config pinned (no autotune).",
         )
@@ -431,7 +433,7 @@ def main() -> None:
         )
     rows_out = run_cases(FULL_CASES if args.full else DEFAULT_CASES, args.passes.split(","), baselines)
     write_results(
-        "grouped_gemm_fp8_blockwise",
+        "grouped_gemm_fp8_blockwise" + suffix,
         rows_out,
         "tflops = ours; baseline_tflops = the named baseline on the same FLOPs (dense baselines: all rows x "
         "one expert's weight). Row-wise baseline: same FP8 data, unit scales. Every output bf16 (wgrad too: "

@@ -4,6 +4,8 @@ edge cases, op registration, compile and bad input."""
 
 from __future__ import annotations
 
+import itertools
+
 import conftest
 import pytest
 import torch
@@ -300,7 +302,7 @@ def test_sm90_kernel_builds_for_hopper(accumulate, b_tile_scales):
     [
         (256, Sm90Config(128, 6), "shared memory"),
         (384, Sm90Config(256, 2), "divide the output width"),
-        (256, Sm90Config(256, 2, out_buffers=2), "one buffer per consumer"),
+        (256, Sm90Config(128, 2, out_buffers=2), "or 2 with block_n=256"),
     ],
 )
 def test_sm90_refuses_bad_configs(k, config, match):
@@ -311,15 +313,19 @@ def test_sm90_refuses_bad_configs(k, config, match):
 
 def test_sm90_default_config_fits_and_prefers_wide_tiles():
     for k in (128, 384, 256, 7168):
-        config = mod.sm90_wgrad_default_config(k, b_tile_scales=True)
-        assert k % config.block_n == 0 and config in mod.SM90_WGRAD_CONFIGS
-        assert config.block_n == (256 if k % 256 == 0 else 128)
-        assert all(mod.sm90_smem_bytes(config, d) <= SM90_SMEM_BYTES for d in OUT_DTYPES)
-        # Accumulating: one 128-wide half per consumer, whose stored values load under the reduction.
-        for b_tile_scales in (False, True):
-            assert mod.sm90_wgrad_default_config(k, True, b_tile_scales) == Sm90Config(128, 4, 16)
-        # Per-column B scales: 128x128 (at 128x256 their scale vectors make ptxas spill).
-        assert mod.sm90_wgrad_default_config(k) == Sm90Config(128, 4, 16)
+        wide = k % 256 == 0
+        for out_dtype, accumulate in itertools.product(OUT_DTYPES, (False, True)):
+            config = mod.sm90_wgrad_default_config(k, accumulate, True, out_dtype)
+            assert k % config.block_n == 0 and config in mod.SM90_WGRAD_CONFIGS
+            assert mod.sm90_smem_bytes(config, out_dtype) <= SM90_SMEM_BYTES
+            # bf16 at 128x256: a staging buffer per half (writing or accumulating); fp32 leaves no room for
+            # the second, and then an accumulating tile takes one 128-wide half per consumer, whose stored
+            # values load under the reduction.
+            two = wide and out_dtype == torch.bfloat16
+            assert config.block_n == (256 if two or (wide and not accumulate) else 128)
+            assert config.out_buffers == (2 if two else 1)
+            # Per-column B scales: 128x128 (at 128x256 their scale vectors make ptxas spill).
+            assert mod.sm90_wgrad_default_config(k, accumulate, False, out_dtype) == Sm90Config(128, 4, 16)
 
 
 @pytest.mark.skipif(conftest.IS_HOPPER, reason="checks the refusal off Hopper")

@@ -78,6 +78,7 @@ from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._sm90_common import (
     SM90_BLOCK,
+    SM90_SMEM_BYTES,
     WG_ROWS,
     Sm90Config,
     check_sm90_launch,
@@ -89,6 +90,7 @@ from fp8flow_ao.kernels._sm90_common import (
     sm90_ring_barriers,
     sm90_second_mma,
     sm90_store,
+    sm90_store_halves,
     tma_load,
 )
 
@@ -264,11 +266,13 @@ def launch_grouped_gemm_fp8_wgrad_triton(
 # sm90: the warp-specialized Gluon kernel.
 
 
-# Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200); the first two are
-# the defaults (sm90_wgrad_default_config). 128x128: GROUP_M 16, 4 stages, within noise of the other
-# 128x128 candidates and best or second on every anchor shape; ordering the consumers costs 1-7%
-# there, as at 128x128 forward. 5 stages fit only with bf16 output.
+# Sweep candidates (benchmarks/results/grouped_gemm_fp8_blockwise_sweep.md, H200); the first three are
+# the defaults (sm90_wgrad_default_config): 128x256 with a staging buffer per half where the output dtype
+# leaves room (bf16; consumers unordered), else one (ordered). 128x128: GROUP_M 16, 4 stages, within noise
+# of the other 128x128 candidates and best or second on every anchor shape; ordering the consumers costs
+# 1-7% there, as at 128x128 forward. 5 stages fit only with bf16 output.
 SM90_WGRAD_CONFIGS = [
+    Sm90Config(256, 3, 16, out_buffers=2),
     Sm90Config(256, 3, 16, ordered=True),
     Sm90Config(128, 4, 16),
     Sm90Config(128, 4, 8),
@@ -285,19 +289,34 @@ def sm90_smem_bytes(config: Sm90Config, out_dtype: torch.dtype) -> int:
     return config.smem_bytes(out_dtype, (BLOCK + config.block_n) * 4)
 
 
-def sm90_wgrad_default_config(k: int, accumulate: bool = False, b_tile_scales: bool = False) -> Sm90Config:
-    """The config the op runs with for ``K`` output columns: 128x256 tiles with ordered consumers
-    where K allows, 128x128 otherwise, and 128x128 when adding into a stored gradient
-    (``accumulate``): a consumer's one half then has its stored values loaded under the reduction,
-    where a 128x256 tile's second half waits for its load after the first half's store (H200, the
-    nine shapes of ``grouped_gemm_notes.md``'s session 22: bf16 gradients 0.2-4.9% faster than
-    128x256, fp32 -3.5% to +2.4%). 128x256 only with ``b_tile_scales``: with one B scale per half and the
-    second partial in the first's registers, 128x256 ordered ran 979-1055 TFLOP/s against 908-982 at
-    128x128; with per-column B scales its 32 more live registers make ptxas spill (19-81 local-memory
-    instructions, triton 3.6-3.9) and 128x128 ran 798-854 TFLOP/s against its 732-857 (H200,
-    ``grouped_gemm_fp8_blockwise_sweep.md``, 2026-11-27, the three anchor shapes)."""
-    wide = k % 256 == 0 and not accumulate and b_tile_scales
-    return SM90_WGRAD_CONFIGS[0] if wide else SM90_WGRAD_CONFIGS[1]
+def sm90_wgrad_default_config(
+    k: int, accumulate: bool = False, b_tile_scales: bool = False, out_dtype: torch.dtype = torch.bfloat16
+) -> Sm90Config:
+    """The config the op runs with for ``K`` output columns, writing ``out_dtype`` or adding into a stored
+    gradient of it (``accumulate``). A fixed rule from H200 measurements, no timing at run time:
+
+    * 128x256 tiles where ``K`` allows and B has per-tile scales (``b_tile_scales``):
+      with one B scale per half and the second partial in the first's registers, 128x256 ran 979-1055
+      TFLOP/s against 908-982 at 128x128 (``grouped_gemm_fp8_blockwise_sweep.md``, 2026-11-27). With
+      per-column B scales its 32 more live registers make ptxas spill (19-81 local-memory instructions,
+      triton 3.6-3.9): 128x128 then (798-854 TFLOP/s against 732-857).
+    * A staging buffer per 128x256 half where the output dtype leaves room (bf16: 212.5 KiB of shared
+      memory; fp32 does not fit): a half's store no longer waits for the other half's, and an
+      accumulating tile loads both halves' stored values under its reduction. Against one buffer, same
+      bits (H200 A/B, 2026-11-28, ``grouped_gemm_notes.md`` session 35): writing, 0.906-1.000x the time
+      on ten shapes (0.91-0.93x at 256 tokens per expert, where a tile is two reduction blocks and its
+      epilogue weighs most); accumulating, 0.87-1.00x the 128x128 config that accumulated before. With two
+      buffers the consumers run unordered: 0.964-0.985x the ordered form's time writing and 0.979-0.988x
+      accumulating where tiles have 8 or more reduction blocks, 1.003-1.008x at 1-2 blocks.
+    * Otherwise (fp32 gradients, ``K`` an odd multiple of 128): one buffer, consumers ordered, and 128x128
+      when accumulating, where a 128x256 tile's second half would wait for its stored values after the first
+      half's store (session 22: bf16 0.2-4.9% faster than 128x256 with one buffer, fp32 -3.5% to +2.4%).
+    """
+    if not (k % 256 == 0 and b_tile_scales):
+        return SM90_WGRAD_CONFIGS[2]
+    if sm90_smem_bytes(SM90_WGRAD_CONFIGS[0], out_dtype) <= SM90_SMEM_BYTES:
+        return SM90_WGRAD_CONFIGS[0]
+    return SM90_WGRAD_CONFIGS[2] if accumulate else SM90_WGRAD_CONFIGS[1]
 
 
 @gluon.jit
@@ -346,20 +365,16 @@ def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem):
 
 
 @gluon.jit
-def _load_stored(out_desc, out_s, bar, row, col):
-    """Start the TMA load of the output's stored 64x128 values at ``(row, col)`` into the staging buffer
-    ``out_s`` (once its previous store has read it), landing on ``bar``. By TMA, not per-thread loads:
-    the stored tiles arrive through L2 like the operands, and the consumer's registers stay free."""
+def _load_stored(out_desc, out_s0, out_s1, HALVES: gl.constexpr, bar, row, col):
+    """Start the TMA loads of the output's stored 64x128 values at ``(row, col)`` into the staging buffer
+    ``out_s0`` and, for ``HALVES == 2``, of the next 128 columns into ``out_s1`` (once this warpgroup's
+    stores have read them), all landing on ``bar``. By TMA, not per-thread loads: the stored tiles arrive
+    through L2 like the operands, and the consumer's registers stay free."""
     tma.store_wait(0)
-    mbarrier.expect(bar, out_desc.block_type.nbytes)
-    tma_load(out_desc, [row, col], bar, out_s)
-
-
-@gluon.jit
-def _plus_stored(acc, out_s, bar, phase, layout: gl.constexpr):
-    """``acc`` plus the stored values :func:`_load_stored` brought into ``out_s`` (waited for here)."""
-    mbarrier.wait(bar, phase)
-    return acc + out_s.load(layout).to(gl.float32)
+    mbarrier.expect(bar, HALVES * out_desc.block_type.nbytes)
+    tma_load(out_desc, [row, col], bar, out_s0)
+    if HALVES == 2:
+        tma_load(out_desc, [row, col + SM90_BLOCK], bar, out_s1)
 
 
 @gluon.jit
@@ -408,7 +423,12 @@ def _wgrad_consumer(
     )
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
-    out_s = out_bufs.index(WG)
+    # This warpgroup's staging buffers: one, or one per half of a 128x256 tile (Sm90Config.out_buffers).
+    BUFS: gl.constexpr = out_bufs.type.shape[0] // 2
+    out_s0 = out_bufs.index(WG * BUFS)
+    out_s1 = out_bufs.index(WG * BUFS + BUFS - 1)
+    # Halves whose stored values load before the reduction (ACCUMULATE): each half that has its own buffer.
+    EARLY: gl.constexpr = HALVES if BUFS == 2 else 1
     stored_bar = stored_bars.index(WG)
     it = 0
     loads = 0  # ACCUMULATE: stored tiles loaded so far (the phase of stored_bar)
@@ -421,7 +441,7 @@ def _wgrad_consumer(
         if ACCUMULATE:
             # The gradient to add into, loaded before the reduction: the load runs under its MMAs
             # instead of in front of the epilogue's store (short reductions are mostly epilogue).
-            _load_stored(out_desc, out_s, stored_bar, row, col)
+            _load_stored(out_desc, out_s0, out_s1, EARLY, stored_bar, row, col)
         acc0 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
         acc1 = gl.zeros([WG_ROWS, SM90_BLOCK], gl.float32, mma)
         for _ in range(first, last):
@@ -444,16 +464,21 @@ def _wgrad_consumer(
                 acc1 = _promote(acc1, part, sa, sb, B_TILE_SCALES)
             it += 1
         if ACCUMULATE:
-            acc0 = _plus_stored(acc0, out_s, stored_bar, loads & 1, mma)
+            mbarrier.wait(stored_bar, loads & 1)
             loads += 1
-        sm90_store(out_desc, out_s, acc0, row, col)
-        if HALVES == 2:
-            if ACCUMULATE:
-                # One staging buffer: the second half's stored values only once the first half left it.
-                _load_stored(out_desc, out_s, stored_bar, row, col + SM90_BLOCK)
-                acc1 = _plus_stored(acc1, out_s, stored_bar, loads & 1, mma)
-                loads += 1
-            sm90_store(out_desc, out_s, acc1, row, col + SM90_BLOCK)
+            acc0 = acc0 + out_s0.load(mma).to(gl.float32)
+            if EARLY == 2:
+                acc1 = acc1 + out_s1.load(mma).to(gl.float32)
+        if ACCUMULATE and EARLY < HALVES:
+            # One staging buffer: the second half's stored values only once the first half left it.
+            sm90_store(out_desc, out_s0, acc0, row, col)
+            _load_stored(out_desc, out_s0, out_s0, 1, stored_bar, row, col + SM90_BLOCK)
+            mbarrier.wait(stored_bar, loads & 1)
+            loads += 1
+            acc1 = acc1 + out_s0.load(mma).to(gl.float32)
+            sm90_store(out_desc, out_s0, acc1, row, col + SM90_BLOCK)
+        else:
+            sm90_store_halves(out_desc, out_s0, out_s1, acc0, acc1, row, col, HALVES, BUFS - 1)
     tma.store_wait(0)
 
 
@@ -475,6 +500,7 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     ORDERED: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     B_TILE_SCALES: gl.constexpr,
+    OUT_BUFFERS: gl.constexpr,
 ):
     """Warp-specialized persistent blockwise FP8 grouped weight-gradient GEMM (Hopper).
 
@@ -484,12 +510,15 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     when ``ACCUMULATE`` (each tile's stored values, loaded by TMA into the consumer's staging buffer on
     its ``stored_bars`` barrier before the reduction; out + the tile's sum stored); ends ``[E]`` int32.
     ``B_TILE_SCALES``: the consumers read one B scale per 128-column half, its first column's.
+    ``OUT_BUFFERS``: output staging buffers per consumer (2: one per half of a 128x256 tile, so a half's
+    store never waits for the other half's, and with ``ACCUMULATE`` both halves' stored values load
+    under the reduction).
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
     sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
-    out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2 * OUT_BUFFERS] + out_desc.block_type.shape, out_desc.layout)
     ready, empty, turn = sm90_ring_barriers(STAGES, 2)
     ring = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn)
     problem = (ends_ptr, M, N, K, E)
@@ -526,8 +555,8 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
     ``config`` pins the launch settings (tests, sweeps); by default :func:`sm90_wgrad_default_config`.
     """
     k = b_t.shape[0]
-    config = config or sm90_wgrad_default_config(k, accumulate_into is not None, b_tile_scales)
-    check_sm90_launch(a_t.device, config, k, out_dtype, sm90_smem_bytes(config, out_dtype))
+    config = config or sm90_wgrad_default_config(k, accumulate_into is not None, b_tile_scales, out_dtype)
+    check_sm90_launch(a_t.device, config, k, out_dtype, sm90_smem_bytes(config, out_dtype), split_epilogue=True)
     out, (m, n, k, e) = _output_and_dims(a_t, b_t, group_end_offsets, out_dtype, accumulate_into, n_chunks)
     if m == 0:
         return out
@@ -554,6 +583,7 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
         ORDERED=config.ordered,
         ACCUMULATE=accumulate_into is not None,
         B_TILE_SCALES=b_tile_scales,
+        OUT_BUFFERS=config.out_buffers,
         num_warps=4,
     )
     return out
@@ -574,7 +604,7 @@ def build_sm90_wgrad_kernel(
         "out_desc": descriptor_signature((64, BLOCK), out_dtype),
         "ends_ptr": "*i32",
         **dict.fromkeys(("M", "N", "K", "E", "N_CHUNK"), "i32"),
-        **dict.fromkeys(("GROUP_M", "STAGES", "ORDERED", "ACCUMULATE", "B_TILE_SCALES"), "constexpr"),
+        **dict.fromkeys(("GROUP_M", "STAGES", "ORDERED", "ACCUMULATE", "B_TILE_SCALES", "OUT_BUFFERS"), "constexpr"),
     }
     constexprs = {
         "GROUP_M": config.group_m,
@@ -582,6 +612,7 @@ def build_sm90_wgrad_kernel(
         "ORDERED": config.ordered,
         "ACCUMULATE": accumulate,
         "B_TILE_SCALES": b_tile_scales,
+        "OUT_BUFFERS": config.out_buffers,
     }
     return compile_for_sm90(_grouped_gemm_fp8_wgrad_sm90_kernel, signature, constexprs)
 
