@@ -126,7 +126,7 @@ class Sm90Config:
     issued its own, so the tensor cores finish consumer 0's first and its promotion runs under
     consumer 1's MMA (without it both may be released by the same ``ready`` flip, multiply
     interleaved, and promote at the same time while the tensor cores idle). ``out_buffers``
-    (forward/dgrad kernel, 128x256 tiles): output staging tiles per consumer; with 2, a tile's second
+    (forward/dgrad and wgrad kernels, 128x256 tiles): output staging tiles per consumer; with 2, a tile's second
     half is written to shared memory while the first half's TMA store may still be reading its own, so
     the epilogue never waits on a store it just issued (1: it waits once per tile)."""
 
