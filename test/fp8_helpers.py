@@ -148,8 +148,15 @@ def padded_ends(counts: list[int]) -> list[int]:
     return ends
 
 
-_LOCAL_MEMORY_INSTRUCTIONS = """
-import json, os, subprocess, tempfile, torch, triton
+# The prelude of the build scripts: the spill count of a cubin, and a map over the builds on every core (a
+# build is one process's CPU for seconds and the suite runs on one core: CI's second core idles otherwise).
+_BUILD_PRELUDE = """
+import json, multiprocessing, os, subprocess, tempfile, torch, triton
+
+def parallel_map(fn, items):
+    # fork: the children inherit the imported kernels (fn is defined in this -c script's __main__)
+    with multiprocessing.get_context("fork").Pool(max(1, min(len(items), os.cpu_count() or 1))) as pool:
+        return pool.map(fn, items)
 
 def local_memory_instructions(cubin):
     # ptxas's spills: loads and stores of thread-local memory in the SASS (Triton's own cuobjdump)
@@ -162,18 +169,19 @@ def local_memory_instructions(cubin):
 """
 
 _BUILD_EVERY_SM90_CONFIG = (
-    _LOCAL_MEMORY_INSTRUCTIONS.replace("{", "{{").replace("}", "}}")
+    _BUILD_PRELUDE.replace("{", "{{").replace("}", "}}")
     + """
 from fp8flow_ao.kernels import _sm90_common as common, {module} as mod
 
-built = []
-for config in mod.{configs}:
-    for out_dtype in (torch.bfloat16, torch.float32):
-        if mod.sm90_smem_bytes(config, out_dtype{smem_extra}) <= common.SM90_SMEM_BYTES:
-            kernel = mod.{builder}(config, out_dtype{extra})
-            cubin = kernel.asm["cubin"]
-            built.append([str(config), str(out_dtype), kernel.metadata.shared, len(cubin), local_memory_instructions(cubin)])
-print(json.dumps(built))
+def build(item):
+    config, out_dtype = item
+    kernel = mod.{builder}(config, out_dtype{extra})
+    cubin = kernel.asm["cubin"]
+    return [str(config), str(out_dtype), kernel.metadata.shared, len(cubin), local_memory_instructions(cubin)]
+
+items = [(c, d) for c in mod.{configs} for d in (torch.bfloat16, torch.float32)
+         if mod.sm90_smem_bytes(c, d{smem_extra}) <= common.SM90_SMEM_BYTES]
+print(json.dumps(parallel_map(build, items)))
 """
 )
 
@@ -201,14 +209,12 @@ def build_spills(module: str, builds: list[str]) -> list[list]:
     kernel, e.g. ``build_sm90_transpose_kernel(True)``) for sm_90a in a fresh process; ``[build, shared
     bytes, local-memory instructions (spills) in its SASS]`` per build."""
     code = (
-        _LOCAL_MEMORY_INSTRUCTIONS
+        _BUILD_PRELUDE
         + f"from fp8flow_ao.kernels import {module} as mod\n"
-        + f"builds = {builds!r}\n"
-        + "built = []\n"
-        + "for b in builds:\n"
+        + "def build(b):\n"
         + "    kernel = eval('mod.' + b)\n"
-        + "    built.append([b, kernel.metadata.shared, local_memory_instructions(kernel.asm['cubin'])])\n"
-        + "print(json.dumps(built))\n"
+        + "    return [b, kernel.metadata.shared, local_memory_instructions(kernel.asm['cubin'])]\n"
+        + f"print(json.dumps(parallel_map(build, {builds!r})))\n"
     )
     return run_compiling(code)
 
