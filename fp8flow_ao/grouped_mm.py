@@ -60,6 +60,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 # Importing the kernel modules registers the ops that _Float8GroupedMM calls through torch.ops.
+import fp8flow_ao.kernels.grouped_gemm_fp8_wgrad
 import fp8flow_ao.kernels.pad_group_offsets
 import fp8flow_ao.kernels.quantize_128x128
 import fp8flow_ao.kernels.quantize_dual_1x128
@@ -75,7 +76,6 @@ from fp8flow_ao._checks import (
 )
 from fp8flow_ao._format import BLOCK, cast_to_fp8, nan_free_abs, pow2_scale_inv
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import OUT_DTYPES, quantize_in_gemm_pays, transpose_in_gemm_pays
-from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
@@ -396,11 +396,15 @@ def _blockwise_backward(
     # dW_e [N, K] = dOut_e^T A_e: A re-encoded column-wise [K, M] by exponent shift, no re-quantization.
     a_t_data, a_t_scale = _OPS.scaling_aware_transpose(a_data, a_scale, offs, None, 1)
     # Written in the weight's dtype by the epilogue, or added there into the gradient it already holds.
+    # The transpose's scales are one per 128x128 tile (b_tile_scales: one FFMA an element to promote). Straight
+    # to the ops, as above: their operands are this op's own outputs, and grouped_gemm_fp8_wgrad's checks
+    # cost ~35 us of a GPU machine's host a call.
     target = _fused_grad_target(fuse_into, ctx.b_dtype)
     args = (g_t_data, g_t_scale, a_t_data, a_t_scale, offs)
-    # The transpose's scales are one per 128x128 tile (b_tile_scales: one FFMA an element to promote).
-    grad_w = grouped_gemm_fp8_wgrad(*args, out_dtype=ctx.b_dtype, accumulate_into=target, b_tile_scales=True)
-    return grad_a, (grad_w if target is None else None)
+    if target is None:
+        return grad_a, _OPS.grouped_gemm_fp8_wgrad(*args, ctx.b_dtype, 1, True)
+    _OPS.grouped_gemm_fp8_wgrad_accumulate(*args, target, True)
+    return grad_a, None
 
 
 def _rowwise_forward(ctx, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype):
