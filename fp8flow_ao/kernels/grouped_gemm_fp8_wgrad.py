@@ -270,9 +270,9 @@ def launch_grouped_gemm_fp8_wgrad_triton(
 # the defaults (sm90_wgrad_default_config): 128x256 with a staging buffer per half where the output dtype
 # leaves room (bf16; consumers unordered), else one (ordered). 128x128: GROUP_M 16, 4 stages, within noise
 # of the other 128x128 candidates and best or second on every anchor shape; ordering the consumers costs
-# 1-7% there, as at 128x128 forward. 5 stages fit only with bf16 output. (The unordered one-buffer 128x256
-# candidate left the list in session 35: the two-buffer form replaces it for bf16, and every config here is
-# compiled by the CPU suite's build test.)
+# 1-7% there, as at 128x128 forward. 5 stages fit only with bf16 output. No unordered one-buffer 128x256: the
+# two-buffer form replaces it for bf16 (every config here is compiled by the CPU suite's build test, so the
+# list stays short).
 SM90_WGRAD_CONFIGS = [
     Sm90Config(256, 3, 16, out_buffers=2),
     Sm90Config(256, 3, 16, ordered=True),
