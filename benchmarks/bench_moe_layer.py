@@ -65,7 +65,8 @@ activation memory held for backward (``memory_allocated`` after the forward minu
 output itself; weights allocated before are not counted, FP8 weight copies made in the forward are,
 and their estimated size is reported beside it: at the DeepSeek-like shape they are about 1.4 GB)
 and its ratio to BF16's, with and without those copies; peak memory of forward + backward above
-the resident state. A second table (``moe_layer_stages``) splits FP8-Flow's device time by op from a torch.profiler trace: GEMMs
+the resident state. A second table (``moe_layer_stages``) splits FP8-Flow's device time by op from a torch.profiler trace (balanced
+routing; ``--stage-routings balanced skewed`` adds skewed): GEMMs
 are named by their shapes (FC1/FC2, forward/dgrad/wgrad); every kernel that no ``fp8flow::`` op launched
 (router, top-k, gathers, inductor-fused elementwise) is an "other: <kernel> [<launching op>]" row, the
 largest ones by name. What the kernels do not account for is split in two: "gaps" is the device time
@@ -678,12 +679,14 @@ def gc_policy(mode: str) -> Iterator[Callable[[], None]]:
 @dataclass
 class Rounds:
     """How the timed repetitions run: ``repeats`` rounds under the ``gc_mode`` policy (:func:`gc_policy`), the
-    clocks logged by ``clocks``; what was skipped or failed goes to ``notes``."""
+    clocks logged by ``clocks``; what was skipped or failed goes to ``notes``; after them, FP8-Flow's stage
+    table is profiled under each of ``stage_routings``."""
 
     repeats: int
     gc_mode: str
     clocks: GpuClockLog
     notes: list[str]
+    stage_routings: tuple[str, ...] = ("balanced",)
 
 
 def time_interleaved(case: Case, built: list[Built], deadline: float, rounds: Rounds) -> bool:
@@ -755,10 +758,10 @@ def variant_stage_rows(
     return rows
 
 
-def finish_variant(case: Case, b: Built, notes: list[str]) -> list[dict]:
+def finish_variant(case: Case, b: Built, notes: list[str], stage_routings: tuple[str, ...]) -> list[dict]:
     """After the timed repetitions: ``b``'s memory under each routing, its :class:`Measured` into
-    ``case.results``, and FP8-Flow's stage rows (balanced routing; none for CUDA graphs: kernels replayed from
-    a graph have no op to name them by)."""
+    ``case.results``, and FP8-Flow's stage rows under each of ``stage_routings`` (none for CUDA graphs: kernels
+    replayed from a graph have no op to name them by)."""
     rows = []
     for kind in ROUTINGS:
         case.route(kind)
@@ -767,7 +770,7 @@ def finish_variant(case: Case, b: Built, notes: list[str]) -> list[dict]:
         # summarized last: by now nvidia-smi has delivered the last repetition's samples too
         clock = [iv.summary() for iv in reps.intervals]
         case.results[kind, b.variant] = Measured(reps.us, act, cache, peak, clock, reps.cuda_mallocs, reps.iters)
-        if b.variant in OURS and kind == "balanced" and b.variant not in CUDA_GRAPHED:
+        if b.variant in OURS and kind in stage_routings and b.variant not in CUDA_GRAPHED:
             rows += variant_stage_rows(case, kind, b.variant, b.block, case.results[kind, b.variant].us, notes)
     return rows
 
@@ -782,7 +785,7 @@ def run_case(case: Case, variants: tuple[str, ...], deadline: float, rounds: Rou
     rows = []
     for b in built:
         try:
-            rows += finish_variant(case, b, notes)
+            rows += finish_variant(case, b, notes, rounds.stage_routings)
         except Exception as exc:  # one variant failing must not hide the others' numbers
             note_failure(notes, f"{case.name}/{b.variant}", exc)
             ours_failed |= b.variant in OURS
@@ -910,6 +913,13 @@ def main() -> None:
         help="garbage collection during the timed repetitions: torchtitan's (automatic collector off, a "
         "collection before each repetition) or Python's automatic one",
     )
+    parser.add_argument(
+        "--stage-routings",
+        nargs="+",
+        choices=ROUTINGS,
+        default=["balanced"],
+        help="the routings FP8-Flow's stage table (moe_layer_stages) is profiled under (each adds ~10-20 s a variant)",
+    )
     parser.add_argument("--tag", default="", help="appended to the result files' names (keeps another run's files)")
     args = parser.parse_args()
     if args.repeats < 1:
@@ -932,7 +942,9 @@ def main() -> None:
         notes = []
     cases = [prepare(name) for name in args.cases]
     with GpuClockLog(nvidia_smi_id()) as clocks:  # one nvidia-smi for the whole run
-        stage_rows, ours_failed = run_all(cases, variants, deadline, Rounds(args.repeats, args.gc, clocks, notes))
+        stage_rows, ours_failed = run_all(
+            cases, variants, deadline, Rounds(args.repeats, args.gc, clocks, notes, tuple(args.stage_routings))
+        )
     rows = [r for c in cases for r in result_rows(c.name, c.shape, c.tokens, c.results, gc_mode=args.gc)]
     notes.append(
         f"ours_us/baseline_us: median over the repetitions (repeats: how many; --repeats {args.repeats}) of the "
