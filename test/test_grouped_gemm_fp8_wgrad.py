@@ -141,6 +141,30 @@ def test_sm90_accumulate_is_exact_on_a_large_grid(config, out_dtype):
         assert mismatches == 0, f"{mismatches} of {into.numel()} elements differ"
 
 
+@pytest.mark.hopper
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_sm90_tiles_from_the_counter_under_heavy_skew(accumulate):
+    """The sm90 kernel's programs take their tiles from a per-launch counter: with far more tiles than
+    programs and tiles of very different lengths (one expert 32x another's token blocks, empty experts
+    first, between and last), every tile is computed once -- the result matches the reference, empty
+    experts stay untouched -- and launches back to back (each with its own counter) give the same bits."""
+    counts = [0, 4096, 128, 0, 1280, 200, 128, 0, 640, 0]
+    args = make_operands(counts, 2048, 1024)
+    existing = torch.randn(len(counts), 2048, 1024, device=DEVICE).to(torch.bfloat16)
+    runs = []
+    for _ in range(3):
+        into = existing.clone() if accumulate else None
+        runs.append(
+            launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.bfloat16, accumulate_into=into, b_tile_scales=False)
+        )
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    if accumulate:
+        fresh = launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.float32, Sm90Config(128, 4, 16))
+        assert torch.equal(runs[0], (existing.float() + fresh).to(torch.bfloat16))
+    else:
+        check(runs[0], *args, torch.bfloat16, counts)
+
+
 @pytest.mark.parametrize(("n", "n_chunks"), [(256, 2), (384, 3)])
 def test_n_chunks_stores_each_chunk_of_every_expert_contiguously(launch, n, n_chunks):
     """``n_chunks``: the same tiles, the same bits, only the rows' places change:

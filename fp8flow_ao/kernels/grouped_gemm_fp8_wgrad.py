@@ -13,7 +13,13 @@ per-column scale vector in registers.
 
 Two kernels share one contract; both walk (expert, N tile, K tile) output tiles on a persistent
 grid, each tile reading its expert's rows from the group end offsets on the device (no host sync).
-An empty expert runs no block and stores zeros.
+An empty expert runs no block and stores zeros. A tile's time is its expert's token count, so under
+skewed routing a fixed round-robin split of the tiles leaves some SMs with the long ones: the sm90
+kernel's programs take their next tile from a per-launch counter instead (an atomic add by the producer
+warp, handed to the consumers through shared memory), in the same order. H200, same inputs, same bits
+(``grouped_gemm_notes.md``, session 38): 0.81-0.99x the time under Zipf-like routing (Qwen3-like FC2
+0.81x, FC1 0.91x; DeepSeek-like 0.95-0.96x), 0.89x at 128 tokens per expert; 1.016-1.023x on balanced
+groups of 1024 tokens, where every tile costs the same and the fixed split kept the SMs in step.
 
 The output is written in its final dtype by the epilogue (fp32 or bf16: the weight's dtype, so no
 cast kernel follows), or -- with ``accumulate_into`` -- added to an existing gradient there: the
@@ -85,6 +91,7 @@ from fp8flow_ao.kernels._sm90_common import (
     compile_for_sm90,
     descriptor,
     descriptor_signature,
+    partition_barrier,
     sm90_first_mma,
     sm90_or,
     sm90_ring_barriers,
@@ -95,6 +102,9 @@ from fp8flow_ao.kernels._sm90_common import (
 )
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)
+# Tile indices in flight from the sm90 kernel's producer to its consumers: the producer takes the next tile
+# while the consumers still reduce the current one.
+TILE_SLOTS = gl.constexpr(2)
 # TMA row alignment: the token dim M is the contiguous one, so it must be a multiple of 16.
 _M_ALIGN = 16
 
@@ -340,8 +350,47 @@ def _wgrad_blocks(ends_ptr, e, M):
 
 
 @gluon.jit
-def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem):
-    """One warp: TMA loads of both operand tiles and both scale rows of every block of every tile."""
+def _tile_queue():
+    """The tiles this program takes, in flight from the producer to the consumers: ``TILE_SLOTS`` tile
+    indices in shared memory, each with a ``full`` barrier (the producer wrote it) and a ``free`` one (both
+    consumers read it)."""
+    ids = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    full = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(TILE_SLOTS):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)
+    return ids, full, free
+
+
+@gluon.jit
+def _push_tile(queue, j, tile):
+    """Producer: hand tile ``tile`` (``>= tiles``: no more) to the consumers as the program's ``j``-th."""
+    ids, full, free = queue
+    s = j % TILE_SLOTS
+    mbarrier.wait(free.index(s), ((j // TILE_SLOTS) & 1) ^ 1)
+    ids.index(s).store(gl.full([1], tile, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    partition_barrier()  # every lane's store before the arrival that publishes it
+    mbarrier.arrive(full.index(s), count=1)
+
+
+@gluon.jit
+def _pop_tile(queue, j):
+    """Consumer (one warpgroup): the program's ``j``-th tile index, its slot released once read."""
+    ids, full, free = queue
+    s = j % TILE_SLOTS
+    mbarrier.wait(full.index(s), (j // TILE_SLOTS) & 1)
+    tile = gl.max(ids.index(s).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+    partition_barrier()  # every thread's read before the release
+    mbarrier.arrive(free.index(s), count=1)
+    return tile
+
+
+@gluon.jit
+def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem, queue, next_tile_ptr):
+    """One warp: takes the next tile from the launch's counter (``next_tile_ptr``) when it starts a tile,
+    passes its index to the consumers (``queue``), and TMA-loads both operand tiles and both scale rows of
+    each of its blocks."""
     a_desc, b_desc, sa_desc, sb_desc = descs
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, _ = ring
     ends_ptr, M, N, K, E = problem
@@ -350,8 +399,14 @@ def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem):
     nbytes: gl.constexpr = (
         a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes + sb_desc.block_type.nbytes
     )
+    tiles = E * (N // SM90_BLOCK) * (K // BLOCK_N)
     it = 0
-    for tile in range(gl.program_id(0), E * (N // SM90_BLOCK) * (K // BLOCK_N), gl.num_programs(0)):
+    j = 0
+    tile = gl.atomic_add(next_tile_ptr, 1, sem="relaxed")
+    while tile < tiles:
+        # The next index is asked for before this tile's loads, so its latency hides under them.
+        next_tile = gl.atomic_add(next_tile_ptr, 1, sem="relaxed")
+        _push_tile(queue, j, tile)
         e, pid_n, pid_k = _wgrad_tile(tile, N, K, BLOCK_N, GROUP_M)
         first, last = _wgrad_blocks(ends_ptr, e, M)
         for mb in range(first, last):
@@ -363,6 +418,9 @@ def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem):
             tma_load(sa_desc, [mb * N + pid_n * SM90_BLOCK], ready.index(s), sa_bufs.index(s))
             tma_load(sb_desc, [mb * K + pid_k * BLOCK_N], ready.index(s), sb_bufs.index(s))
             it += 1
+        j += 1
+        tile = next_tile
+    _push_tile(queue, j, tile)
 
 
 @gluon.jit
@@ -408,8 +466,10 @@ def _wgrad_consumer(
     ring,
     out,
     problem,
+    queue,
 ):
-    """One warpgroup: output rows ``[64 WG, 64 WG + 64)`` of every tile; the promotion scale is the
+    """One warpgroup: output rows ``[64 WG, 64 WG + 64)`` of every tile the producer hands it (``queue``); the
+    promotion scale is the
     outer product of the block's row scales (N) and column scales (K), read from the ring just
     before each use (a 128x256 tile's column scales are never all held in registers); with
     ``B_TILE_SCALES`` one column scale per 128-column half (:func:`_column_scales`)."""
@@ -433,7 +493,10 @@ def _wgrad_consumer(
     stored_bar = stored_bars.index(WG)
     it = 0
     loads = 0  # ACCUMULATE: stored tiles loaded so far (the phase of stored_bar)
-    for tile in range(gl.program_id(0), E * (N // SM90_BLOCK) * (K // BLOCK_N), gl.num_programs(0)):
+    tiles = E * (N // SM90_BLOCK) * (K // BLOCK_N)
+    j = 0
+    tile = _pop_tile(queue, j)
+    while tile < tiles:
         e, pid_n, pid_k = _wgrad_tile(tile, N, K, BLOCK_N, GROUP_M)
         first, last = _wgrad_blocks(ends_ptr, e, M)
         n0 = pid_n * SM90_BLOCK  # tiles never straddle a chunk: N_CHUNK is a multiple of 128
@@ -480,6 +543,8 @@ def _wgrad_consumer(
             sm90_store(out_desc, out_s0, acc1, row, col + SM90_BLOCK)
         else:
             sm90_store_halves(out_desc, out_s0, out_s1, acc0, acc1, row, col, HALVES, BUFS - 1)
+        j += 1
+        tile = _pop_tile(queue, j)
     tma.store_wait(0)
 
 
@@ -491,6 +556,7 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     sb_desc,
     out_desc,
     ends_ptr,
+    next_tile_ptr,
     M,
     N,
     K,
@@ -513,7 +579,8 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     ``B_TILE_SCALES``: the consumers read one B scale per 128-column half, its first column's.
     ``OUT_BUFFERS``: output staging buffers per consumer (2: one per half of a 128x256 tile, so a half's
     store never waits for the other half's, and with ``ACCUMULATE`` both halves' stored values load
-    under the reduction).
+    under the reduction). ``next_tile_ptr``: int32 ``[1]``, zero at launch: the tile counter every program
+    takes its tiles from (see :func:`_wgrad_producer`).
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -528,11 +595,12 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     for i in gl.static_range(2):
         mbarrier.init(stored_bars.index(i), count=1)
     out = (out_desc, out_bufs, N_CHUNK, stored_bars)
+    queue = _tile_queue()
     gl.warp_specialize(
         [
-            (_wgrad_consumer, (0, GROUP_M, ORDERED, ACCUMULATE, B_TILE_SCALES, ring, out, problem)),
-            (_wgrad_consumer, (1, GROUP_M, ORDERED, ACCUMULATE, B_TILE_SCALES, ring, out, problem)),
-            (_wgrad_producer, (GROUP_M, (a_desc, b_desc, sa_desc, sb_desc), ring, problem)),
+            (_wgrad_consumer, (0, GROUP_M, ORDERED, ACCUMULATE, B_TILE_SCALES, ring, out, problem, queue)),
+            (_wgrad_consumer, (1, GROUP_M, ORDERED, ACCUMULATE, B_TILE_SCALES, ring, out, problem, queue)),
+            (_wgrad_producer, (GROUP_M, (a_desc, b_desc, sa_desc, sb_desc), ring, problem, queue, next_tile_ptr)),
         ],
         [4, 1],
         [232, 40],
@@ -574,6 +642,8 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
         descriptor(b_t_scale.view(-1), (config.block_n,)),
         descriptor(out.view(e * n, k), (64, BLOCK)),
         group_end_offsets,
+        # The tile counter the programs take their tiles from (see _wgrad_producer); zeroed per launch.
+        torch.zeros(1, dtype=torch.int32, device=a_t.device),
         m,
         n,
         k,
@@ -604,6 +674,7 @@ def build_sm90_wgrad_kernel(
         "sb_desc": descriptor_signature((config.block_n,), torch.float32),
         "out_desc": descriptor_signature((64, BLOCK), out_dtype),
         "ends_ptr": "*i32",
+        "next_tile_ptr": "*i32",
         **dict.fromkeys(("M", "N", "K", "E", "N_CHUNK"), "i32"),
         **dict.fromkeys(("GROUP_M", "STAGES", "ORDERED", "ACCUMULATE", "B_TILE_SCALES", "OUT_BUFFERS"), "constexpr"),
     }
