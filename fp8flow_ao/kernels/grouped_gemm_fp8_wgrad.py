@@ -18,8 +18,8 @@ skewed routing a fixed round-robin split of the tiles leaves some SMs with the l
 kernel's programs take their next tile from a per-launch counter instead (an atomic add by the producer
 warp, handed to the consumers through shared memory), in the same order. H200, same inputs, same bits
 (``grouped_gemm_notes.md``, session 38): 0.81-0.99x the time under Zipf-like routing (Qwen3-like FC2
-0.81x, FC1 0.91x; DeepSeek-like 0.95-0.96x), 0.89x at 128 tokens per expert; 1.016-1.023x on balanced
-groups of 1024 tokens, where every tile costs the same and the fixed split kept the SMs in step.
+0.81x, FC1 0.91x; DeepSeek-like 0.95-0.97x), 0.87-0.90x at 128 tokens per expert; 1.01-1.02x on balanced
+groups of 512-2048 tokens, where every tile costs the same and the fixed split kept the SMs in step.
 
 The output is written in its final dtype by the epilogue (fp32 or bf16: the weight's dtype, so no
 cast kernel follows), or -- with ``accumulate_into`` -- added to an existing gradient there: the
@@ -404,7 +404,8 @@ def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem, queue, next_til
     j = 0
     tile = gl.atomic_add(next_tile_ptr, 1, sem="relaxed")
     while tile < tiles:
-        # The next index is asked for before this tile's loads, so its latency hides under them.
+        # The next index, asked for before this tile is handed out (the result is shared across the warp at
+        # once, so the wait is here; handing out first and asking after measured 0.1-0.7% slower).
         next_tile = gl.atomic_add(next_tile_ptr, 1, sem="relaxed")
         _push_tile(queue, j, tile)
         e, pid_n, pid_k = _wgrad_tile(tile, N, K, BLOCK_N, GROUP_M)
@@ -469,9 +470,8 @@ def _wgrad_consumer(
     queue,
 ):
     """One warpgroup: output rows ``[64 WG, 64 WG + 64)`` of every tile the producer hands it (``queue``); the
-    promotion scale is the
-    outer product of the block's row scales (N) and column scales (K), read from the ring just
-    before each use (a 128x256 tile's column scales are never all held in registers); with
+    promotion scale is the outer product of the block's row scales (N) and column scales (K), read from the
+    ring just before each use (a 128x256 tile's column scales are never all held in registers); with
     ``B_TILE_SCALES`` one column scale per 128-column half (:func:`_column_scales`)."""
     a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, turn = ring
     out_desc, out_bufs, N_CHUNK, stored_bars = out
