@@ -50,7 +50,8 @@ at 40 to 4 ms a step; after warm-up steps). ``--gc torchtitan`` (the
 default) runs the rounds under torchtitan's garbage collection: its trainer turns Python's automatic collector
 off and collects the young generations (``gc.collect(1)``) every ``gc_freq`` steps (50), here before each
 repetition, outside its timing; ``--gc python`` leaves the automatic collector on, free to collect inside a
-timed step. Memory and the stage table are taken per variant after the rounds.
+timed step. Memory, the host's and the device's time per step (measured apart, every variant: whether a
+case is host-bound, for BF16 as for FP8-Flow) and the stage table are taken per variant after the rounds.
 
 Reported per case: median ms of forward + backward (input and output gradients, weight
 gradients) over the repetitions, with their min and max and their spread (``(max - min) / median``); the
@@ -328,6 +329,8 @@ class Measured:
     reps_clock: list[dict]  # per repetition: the GPU's clocks while it ran (_bench.summarize_clocks)
     reps_cuda_mallocs: list[int]  # per repetition: the caching allocator's cudaMalloc + cudaFree calls (each syncs)
     reps_iters: list[dict] = field(default_factory=list)  # per repetition: iteration_summary ([]: not recorded)
+    host_us: float | None = None  # host time to enqueue one step, measured apart (host_and_device_us)
+    device_us: float | None = None  # device time of one step, steps back to back (host_and_device_us)
 
     @property
     def us(self) -> float:
@@ -438,14 +441,14 @@ def _gemm_label(name: str, shapes: list, shape: MoEShape) -> str:
 
 
 def stage_breakdown(
-    block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], shape: MoEShape, step_us: float
-) -> tuple[dict[str, float], float, float, dict[str, float]]:
+    block: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor]], shape: MoEShape, step_us: float, device_us: float
+) -> tuple[dict[str, float], dict[str, float]]:
     """Device microseconds per forward + backward by ``fp8flow::`` op (outermost calls only), by kernel
     for the rest ("other: ..."), and what no kernel accounts for (each device event counted once,
-    deduplicated by name and start time): "gaps", the device time of steps back to back
-    (:func:`host_and_device_us`) less every kernel, and "sustained", the timed step (``step_us``, CUDA
-    events) less that device time (see the module docstring); and the host's and the device's microseconds
-    per step.
+    deduplicated by name and start time): "gaps", the device time of steps back to back (``device_us``,
+    :func:`host_and_device_us`) less every kernel, and "sustained", the timed step (``step_us``, CUDA
+    events) less that device time (see the module docstring); and the host's time by Python function
+    (:func:`host_profile`).
 
     Kernels are charged to the op that launched them (the profiler's correlation). Should the trace
     link no kernel to an op, Triton kernels are named by their function instead (``_<op>_kernel``).
@@ -457,7 +460,6 @@ def stage_breakdown(
     x, dy = inputs[0]
     for _ in range(3):
         step(x, dy)
-    host_us, device_us = host_and_device_us(lambda: step(x, dy), PROFILE_ITERS)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(PROFILE_ITERS):
             step(x, dy)
@@ -482,7 +484,7 @@ def stage_breakdown(
     kernel_us = sum(k.device_time_total for k in kernels) / PROFILE_ITERS
     per_step["gaps (device time of steps back to back less every kernel)"] = device_us - kernel_us
     per_step["sustained (timed step less the device time of steps back to back)"] = step_us - device_us
-    return dict(sorted(per_step.items(), key=lambda kv: -kv[1])), host_us, device_us, host_profile(step, x, dy)
+    return dict(sorted(per_step.items(), key=lambda kv: -kv[1])), host_profile(step, x, dy)
 
 
 def _short_path(file: str) -> str:
@@ -720,12 +722,14 @@ def time_interleaved(case: Case, built: list[Built], deadline: float, rounds: Ro
 
 
 def variant_stage_rows(
-    case: Case, kind: str, variant: str, block: nn.Module, step_us: float, notes: list[str]
+    case: Case, kind: str, variant: str, block: nn.Module, m: Measured, notes: list[str]
 ) -> list[dict]:
-    """The ``moe_layer_stages`` rows of one variant under routing ``kind`` (set now): device time by op, the
-    host's and the device's time per step, the host's time by Python function; none when the profile fails."""
+    """The ``moe_layer_stages`` rows of one variant under routing ``kind`` (set now; ``m``: its timings): device
+    time by op, the host's and the device's time per step, the host's time by Python function; none when the
+    profile fails."""
+    host_us, device_us = m.host_us, m.device_us
     try:
-        stages, host_us, device_us, host_fns = stage_breakdown(block, case.inputs, case.shape, step_us)
+        stages, host_fns = stage_breakdown(block, case.inputs, case.shape, m.us, device_us)
     except Exception:  # the profile is diagnostic: its failure must not drop the timings
         traceback.print_exc()
         notes.append(f"{case.name}/{variant}: stage breakdown failed (traceback in the log).")
@@ -759,19 +763,24 @@ def variant_stage_rows(
 
 
 def finish_variant(case: Case, b: Built, notes: list[str], stage_routings: tuple[str, ...]) -> list[dict]:
-    """After the timed repetitions: ``b``'s memory under each routing, its :class:`Measured` into
-    ``case.results``, and FP8-Flow's stage rows under each of ``stage_routings`` (none for CUDA graphs: kernels
-    replayed from a graph have no op to name them by)."""
+    """After the timed repetitions: ``b``'s memory and its host's and device's time per step (measured apart:
+    :func:`host_and_device_us`) under each routing, its :class:`Measured` into ``case.results``, and
+    FP8-Flow's stage rows under each of ``stage_routings`` (none for CUDA graphs: kernels replayed from a graph
+    have no op to name them by)."""
     rows = []
+    x, dy = case.inputs[0]
     for kind in ROUTINGS:
         case.route(kind)
         reps = b.reps[kind]
         act, cache, peak = memory_mib(b.block, case.inputs)
+        host_us, device_us = host_and_device_us(lambda: b.step(x, dy), PROFILE_ITERS)
+        drop_grads(b.block, case.inputs)
         # summarized last: by now nvidia-smi has delivered the last repetition's samples too
         clock = [iv.summary() for iv in reps.intervals]
-        case.results[kind, b.variant] = Measured(reps.us, act, cache, peak, clock, reps.cuda_mallocs, reps.iters)
+        m = Measured(reps.us, act, cache, peak, clock, reps.cuda_mallocs, reps.iters, host_us, device_us)
+        case.results[kind, b.variant] = m
         if b.variant in OURS and kind in stage_routings and b.variant not in CUDA_GRAPHED:
-            rows += variant_stage_rows(case, kind, b.variant, b.block, case.results[kind, b.variant].us, notes)
+            rows += variant_stage_rows(case, kind, b.variant, b.block, m, notes)
     return rows
 
 
@@ -821,6 +830,18 @@ def _throttle(m: Measured) -> str | None:
     return ("+".join(sorted(set().union(*seen))) or "none") if seen else None
 
 
+def _rounded(us: float | None) -> float | None:
+    return None if us is None else round(us, 1)
+
+
+def _bound(m: Measured) -> str | None:
+    """Host-bound where enqueueing a step took the host longer than the device took to run it, else
+    device-bound (the labels returned); None when not measured."""
+    if m.host_us is None or m.device_us is None:
+        return None
+    return "host-bound" if m.host_us > m.device_us else "device-bound"
+
+
 def paired_speedups(baseline_us: Sequence[float], ours_us: Sequence[float]) -> list[float] | None:
     """Baseline time over ours repetition by repetition (repetition i of both ran in round i, back to back),
     to 3 decimals; None when their counts differ (they were not measured in the same rounds)."""
@@ -866,6 +887,9 @@ def result_rows(
                 paired_speedups=paired, paired_speedup_min=min(paired) if paired else None,
                 paired_speedup_median=round(statistics.median(paired), 3) if paired else None,
                 ours_iters=ours.reps_iters, baseline_iters=base.reps_iters, gc=gc_mode,
+                ours_host_us=_rounded(ours.host_us), ours_device_us=_rounded(ours.device_us),
+                baseline_host_us=_rounded(base.host_us), baseline_device_us=_rounded(base.device_us),
+                ours_bound=_bound(ours), baseline_bound=_bound(base),
             )  # fmt: skip
             if variant in CUDA_GRAPHED or baseline in CUDA_GRAPHED:
                 # a CUDA graph's buffers live in its private pool, which the allocator's counters leave out
@@ -963,7 +987,11 @@ def main() -> None:
         "the NVML clock event reasons active in any sample of the repetitions (sw_power_cap: power limit, "
         "*_thermal_slowdown: temperature, gpu_idle: the GPU waited on the host; none: no reason); "
         "ours_cuda_mallocs/baseline_cuda_mallocs: the caching allocator's cudaMalloc + cudaFree calls (+ retries) "
-        "in each repetition (0 once the allocator is warm)."
+        "in each repetition (0 once the allocator is warm). ours_host_us/ours_device_us, baseline_host_us/"
+        "baseline_device_us: the host's time to enqueue one step and the device's time to run one, measured apart "
+        "after the repetitions (a GPU sleep queued first keeps the device busy while the host enqueues "
+        f"{PROFILE_ITERS} steps, which then run back to back); ours_bound/baseline_bound: host-bound where the "
+        "host's is the larger (the timed step then follows the host CPU's speed)."
     )
     if clocks.error:
         notes.append(f"No GPU clock samples ({clocks.error}): the clock columns are empty.")

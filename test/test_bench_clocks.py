@@ -206,17 +206,23 @@ def test_moe_layer_rows_carry_the_clocks(tmp_path: Path, monkeypatch: pytest.Mon
         [4010.4, 4512.6, 4100.0], 100.0, 0.0, 500.0,
         [clock(1980, []), clock(1755, ["sw_power_cap"]), clock(1980, ["gpu_idle", "sw_power_cap"])], [0, 4, 0],
     )  # fmt: skip
-    bf16 = b.Measured([7000.2, 7050.0, 7020.0], 300.0, 0.0, 900.0, [clock(None, None)] * 3, [0, 0, 0])
+    fp8.host_us, fp8.device_us = 5390.26, 3641.5
+    bf16 = b.Measured(
+        [7000.2, 7050.0, 7020.0], 300.0, 0.0, 900.0, [clock(None, None)] * 3, [0, 0, 0], [], 2700.0, 6178.0
+    )
     shape, tokens = b.CASES["qwen"]
     rows = b.result_rows("qwen", shape, tokens, {("balanced", "fp8flow"): fp8, ("balanced", "bf16"): bf16})
     assert len(rows) == 1
     r = rows[0]
+    assert (r["ours_host_us"], r["ours_device_us"], r["ours_bound"]) == (5390.3, 3641.5, "host-bound")
+    assert (r["baseline_host_us"], r["baseline_device_us"], r["baseline_bound"]) == (2700.0, 6178.0, "device-bound")
     assert (r["ours_reps_us"], r["baseline_reps_us"]) == ([4010, 4513, 4100], [7000, 7050, 7020])
     assert (r["ours_sm_mhz"], r["baseline_sm_mhz"]) == ([1980, 1755, 1980], None)
     assert (r["ours_throttle"], r["baseline_throttle"]) == ("gpu_idle+sw_power_cap", None)
     assert (r["ours_cuda_mallocs"], r["baseline_cuda_mallocs"]) == ([0, 4, 0], [0, 0, 0])
     quiet = b.Measured([1.0], 1.0, 0.0, 1.0, [clock(1980, [])], [0])
     assert b._throttle(quiet) == "none"
+    assert b._bound(quiet) is None  # host and device not measured
     monkeypatch.setattr(_bench, "RESULTS_DIR", tmp_path)
     monkeypatch.setattr(_bench, "versions", lambda: {"torch": "x"})  # a CPU torch may come without triton
     _bench.write_results("clocks", rows)
