@@ -178,8 +178,8 @@ def timed(fn: Callable, p: dict, mode: str) -> tuple[float, float, float]:
 HOST_DEVICE_ITERS = 10
 NOTES = (
     "Whole op, quantization included, bf16 inputs and weights. ours_us / baseline_us: end to end (the larger "
-    "of host and device time); ours_host_us, ours_device_us, baseline_device_us: measured apart with the GPU "
-    "held busy (host above device = host-bound: the op then runs at the host CPU's speed), device_speedup = "
+    "of host and device time); ours_host_us, ours_device_us, baseline_host_us, baseline_device_us: measured "
+    "apart with the GPU held busy (host above device = host-bound: the op then runs at the host CPU's speed), device_speedup = "
     "baseline_device_us / ours_device_us. tflops = ours, baseline_tflops = the named "
     "baseline on the same FLOPs (fwd 2MNK, fwd+bwd 6MNK). sqnr_* = ours, baseline_sqnr_* = the baseline, "
     "dB vs fp32 math on the same bf16 operands. Aligned cases call ours with offs_aligned=True; 'unaligned' "
@@ -216,6 +216,7 @@ def run(deep_gemm) -> list[dict]:
                         baseline_tflops=round(flops / us[name] / 1e6, 1),
                         ours_host_us=round(ours_host, 1),
                         ours_device_us=round(ours_device, 1),
+                        baseline_host_us=round(times[name][1], 1),
                         baseline_device_us=round(times[name][2], 1),
                         device_speedup=round(times[name][2] / ours_device, 3),
                         **{f"sqnr_{t}": v for t, v in sqnr["ours"].items()},
