@@ -179,8 +179,8 @@ HOST_DEVICE_ITERS = 10
 NOTES = (
     "Whole op, quantization included, bf16 inputs and weights. ours_us / baseline_us: end to end (the larger "
     "of host and device time); ours_host_us, ours_device_us, baseline_host_us, baseline_device_us: measured "
-    "apart with the GPU held busy (host above device = host-bound: the op then runs at the host CPU's speed), device_speedup = "
-    "baseline_device_us / ours_device_us. tflops = ours, baseline_tflops = the named "
+    "apart with the GPU held busy (host above device = host-bound: the op then runs at the host CPU's speed), "
+    "device_speedup = baseline_device_us / ours_device_us. tflops = ours, baseline_tflops = the named "
     "baseline on the same FLOPs (fwd 2MNK, fwd+bwd 6MNK). sqnr_* = ours, baseline_sqnr_* = the baseline, "
     "dB vs fp32 math on the same bf16 operands. Aligned cases call ours with offs_aligned=True; 'unaligned' "
     "pads on the device (torchao pads internally in every case). 'fwd+bwd accumulate': .backward() into "

@@ -448,7 +448,7 @@ def stage_breakdown(
     deduplicated by name and start time): "gaps", the device time of steps back to back (``device_us``,
     :func:`host_and_device_us`) less every kernel, and "sustained", the timed step (``step_us``, CUDA
     events) less that device time (see the module docstring); and the host's time by Python function
-    (:func:`host_profile`).
+    (:func:`host_profile`). Run right after ``device_us`` was measured on the same block: no warm-up of its own.
 
     Kernels are charged to the op that launched them (the profiler's correlation). Should the trace
     link no kernel to an op, Triton kernels are named by their function instead (``_<op>_kernel``).
@@ -457,9 +457,7 @@ def stage_breakdown(
     from torch.profiler import ProfilerActivity, profile
 
     step = make_step(block)
-    x, dy = inputs[0]
-    for _ in range(3):
-        step(x, dy)
+    x, dy = inputs[0]  # warm: the caller has just run steps (host_and_device_us)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(PROFILE_ITERS):
             step(x, dy)

@@ -340,6 +340,12 @@ def _wgrad_tile(tile, N, K, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _wgrad_tiles(N, K, E, BLOCK_N: gl.constexpr):
+    """How many output tiles the launch has: the bound both the producer and the consumers stop at."""
+    return E * (N // SM90_BLOCK) * (K // BLOCK_N)
+
+
+@gluon.jit
 def _wgrad_blocks(ends_ptr, e, M):
     """``[first, last)`` 128-token blocks of expert ``e`` (clamped to the tokens that exist). The
     arithmetic twin of :func:`group_rows`'s masked load, kept because the masked form changes the
@@ -399,7 +405,7 @@ def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem, queue, next_til
     nbytes: gl.constexpr = (
         a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes + sb_desc.block_type.nbytes
     )
-    tiles = E * (N // SM90_BLOCK) * (K // BLOCK_N)
+    tiles = _wgrad_tiles(N, K, E, BLOCK_N)
     it = 0
     j = 0
     tile = gl.atomic_add(next_tile_ptr, 1, sem="relaxed")
@@ -493,7 +499,7 @@ def _wgrad_consumer(
     stored_bar = stored_bars.index(WG)
     it = 0
     loads = 0  # ACCUMULATE: stored tiles loaded so far (the phase of stored_bar)
-    tiles = E * (N // SM90_BLOCK) * (K // BLOCK_N)
+    tiles = _wgrad_tiles(N, K, E, BLOCK_N)
     j = 0
     tile = _pop_tile(queue, j)
     while tile < tiles:
