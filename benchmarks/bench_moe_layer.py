@@ -725,9 +725,8 @@ def variant_stage_rows(
     """The ``moe_layer_stages`` rows of one variant under routing ``kind`` (set now; ``m``: its timings): device
     time by op, the host's and the device's time per step, the host's time by Python function; none when the
     profile fails."""
-    host_us, device_us = m.host_us, m.device_us
     try:
-        stages, host_fns = stage_breakdown(block, case.inputs, case.shape, m.us, device_us)
+        stages, host_fns = stage_breakdown(block, case.inputs, case.shape, m.us, m.device_us)
     except Exception:  # the profile is diagnostic: its failure must not drop the timings
         traceback.print_exc()
         notes.append(f"{case.name}/{variant}: stage breakdown failed (traceback in the log).")
@@ -740,10 +739,16 @@ def variant_stage_rows(
         )
         for name, us in stages.items()
     ]
-    bound = "host-bound" if host_us > device_us else "device-bound"
     rows += [
-        row(label, us, f"per step, measured apart with the GPU held busy: {bound}", None, stage=stage, share_pct=None)
-        for stage, us in (("host enqueue", host_us), ("device, steps back to back", device_us))
+        row(
+            label,
+            us,
+            f"per step, measured apart with the GPU held busy: {_bound(m)}",
+            None,
+            stage=stage,
+            share_pct=None,
+        )
+        for stage, us in (("host enqueue", m.host_us), ("device, steps back to back", m.device_us))
     ]
     host_total = sum(host_fns.values())
     rows += [
