@@ -9,6 +9,10 @@ Timed (inputs rotated past L2):
   against ``torch.compile(fullgraph=True)`` of ``permute_pad_reference`` and against the unfused eager
   sequence a user would write (argsort, index_select gather, then a copy into the zeroed padded buffer,
   for data, scales and probs);
+* the quantizing row kernel (``permute_pad_rows(quantize=True)``: BF16 tokens read once, quantized 1x128,
+  scattered; with and without the token-order FP8 copy the FP8-Flow layer keeps) against the two ops it
+  replaces (``quantize_1x128`` then ``permute_pad_rows``), device time of both in ``device_us`` /
+  ``baseline_device_us``;
 * the row kernel alone, both forms: gathering (``permute_pad_rows`` given ``src_rows``) and scattering (given
   ``dst_rows`` too), against ``torch.compile`` of ``permute_pad_rows_reference``.
 
@@ -33,6 +37,7 @@ from _bench import DEVICE_NOTE, bench_us, device_us, n_rotations, routed_expert_
 from fp8flow_ao._format import BLOCK, FP8_DTYPE
 from fp8flow_ao.kernels.permute_pad import (
     launch_permute_pad_rows,
+    launch_quantize_permute_pad_rows,
     padded_rows_bound,
     permute_pad,
     permute_pad_reference,
@@ -41,6 +46,7 @@ from fp8flow_ao.kernels.permute_pad import (
     route_pad,
     scatter_pays,
 )
+from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
 from fp8flow_ao.shapes import BENCH_DISPATCH_ROWS, DEEPSEEK_V3, QWEN3_30B_A3B
 
 
@@ -75,6 +81,18 @@ def _gather(x, x_scale, src_rows, dst_rows, top_k):
 def _scatter(x, x_scale, src_rows, dst_rows, top_k):
     """The scattering form pinned (the op scatters only where ``scatter_pays``): timed at every shape."""
     return launch_permute_pad_rows(x, x_scale, src_rows, top_k, dst_rows, scatter=True)
+
+
+def _quantize_scatter(xb, src_rows, dst_rows, top_k, keep):
+    """``quantize=True``: BF16 tokens quantized in the scattering kernel (``keep``: the token-order FP8 rows too,
+    as the FP8-Flow layer's forward asks; without: its backward's dy)."""
+    return launch_quantize_permute_pad_rows(xb, src_rows, top_k, dst_rows, keep)
+
+
+def _quantize_then_rows(xb, src_rows, dst_rows, top_k, keep):
+    """The same in two ops: quantize_1x128 (token-order FP8 rows), then the row kernel on them."""
+    x8, s8 = quantize_1x128(xb)
+    return permute_pad_rows(x8, s8, src_rows, top_k, dst_rows=dst_rows)
 
 
 def _inputs(tokens: int, dim: int, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -122,7 +140,12 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
     part["device_us"] = device_us(_gather, gather_sets)
     scattered = {"what": "scatter only (pinned)", "gbps_rows_fetched": None}
     scattered["device_us"] = device_us(_scatter, gather_sets)
+    quantized = [
+        _quantized_row(case, sets, gather_sets, keep, tokens * dim * 2 + m_pad * 4 + out_bytes)
+        for keep in (False, True)
+    ]
     return [
+        *quantized,
         row(case, ours, "torch.compile(fullgraph) permute_pad_reference", ref_full, bytes_moved=full_bytes, **full),
         row(case, ours, "unfused eager (argsort, index_select, pad copy)", eager, bytes_moved=full_bytes, **full),
         row(
@@ -142,6 +165,32 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
             **scattered,
         ),
     ]
+
+
+def _quantized_row(case: str, sets, gather_sets, keep: bool, rows_bytes: int) -> dict:
+    """``permute_pad_rows(quantize=True)`` (scatter form) against quantize_1x128 + permute_pad_rows, BF16 tokens
+    in; checked bit for bit first. Bytes: BF16 x read once, src_rows, the padded FP8 rows and scales written,
+    and with ``keep`` the token-order FP8 rows and scales too."""
+    tokens, dim = sets[0][0].shape
+    bf16_sets = [
+        ((x.float() * s.repeat_interleave(BLOCK, 1)).to(torch.bfloat16), src, dst, k, keep)
+        for (x, s, src, dst, k) in gather_sets
+    ]
+    fused, two_ops = _quantize_scatter(*bf16_sets[0])[:2], _quantize_then_rows(*bf16_sets[0])
+    if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fused, two_ops, strict=True)):
+        raise RuntimeError(f"permute_pad_rows(quantize=True) and quantize_1x128 + permute_pad_rows disagree on {case}")
+    extra = {"what": f"quantize + scatter{' + token rows' if keep else ''} (quantize=True)"}
+    extra["device_us"] = device_us(_quantize_scatter, bf16_sets)
+    extra["baseline_device_us"] = round(device_us(_quantize_then_rows, bf16_sets), 2)
+    bytes_moved = rows_bytes + (tokens * dim + tokens * (dim // BLOCK) * 4 if keep else 0)
+    return row(
+        case,
+        bench_us(_quantize_scatter, bf16_sets),
+        "quantize_1x128 + permute_pad_rows (two ops)",
+        bench_us(_quantize_then_rows, bf16_sets),
+        bytes_moved=bytes_moved,
+        **extra,
+    )
 
 
 def main() -> None:
@@ -167,7 +216,10 @@ def main() -> None:
         "given src_rows (each padded row reads its token), 'scatter only (pinned)' rows the kernel's scattering "
         "form (each token read once, written to its k rows), which permute_pad runs where scatter_pays (rows >= 4 "
         "KiB). Bytes at the algorithmic minimum (x read once, all M_pad output rows written); gbps_rows_fetched "
-        "(gather rows) counts each token row k times. " + DEVICE_NOTE
+        "(gather rows) counts each token row k times. 'quantize + scatter' rows time permute_pad_rows(quantize=True) "
+        "on BF16 tokens (checked bit for bit against the two ops first; '+ token rows': also writing the token-order "
+        "FP8 copy, as the layer's forward) against quantize_1x128 + permute_pad_rows (the two-step form that picks "
+        "gather or scatter by scatter_pays); baseline_device_us is the two ops' device time. " + DEVICE_NOTE
     )
     write_results("permute_pad", rows, notes)
 

@@ -4,9 +4,9 @@ One autograd Function, :class:`_FP8FlowRoutedExperts`, runs everything between t
 combined output, with exactly two explicit BF16->FP8 casts per step (``x`` in forward, ``dy`` in
 backward; every other FP8 tensor comes out of a fused kernel)::
 
-    forward   x -Q1-> x8 -> permute_pad (data, scales, probs) -> FC1 (W13 = [w1; w3], 128x128)
+    forward   x -Q1+permute_pad-> x8 (data, scales, probs) -> FC1 (W13 = [w1; w3], 128x128)
               -> h -> swiglu_quant (x prob) -> a8 -> FC2 (w2) -> y -> unpermute_unpad (sum over top-k)
-    backward  dy -Q2-> dy8 -> permute_pad_rows -> FC2 dgrad (exact FP8 w2^T) + FC2 wgrad
+    backward  dy -Q2+permute_pad_rows-> dy8 -> FC2 dgrad (exact FP8 w2^T) + FC2 wgrad
               (scaling-aware transposes of dy8 and a8) -> swiglu_quant_backward (row- and column-wise
               dh, grad of the permuted probs) -> FC1 dgrad (exact FP8 W13^T) + FC1 wgrad
               (scaling-aware transpose of x8 that gathers its rows itself: the permuted x8 is not
@@ -21,6 +21,9 @@ With ``ep_group`` (expert parallelism, :mod:`fp8flow_ao.parallel.expert_parallel
 travel after Q1 to the ranks of their experts and the expert path runs there on the received rows
 (one expert each); the BF16 outputs return and the top-k sum runs on the token's rank. Backward
 sends dy after Q2 along the same routes. Still two explicit casts; one host sync (the split sizes).
+Without EP, Q1 and Q2 run inside the permuting kernel (``permute_pad(quantize=True)``,
+``permute_pad_rows(quantize=True)``: each token read once in BF16, its FP8 rows written where they go,
+x8 also in token order for backward): two kernels and two op calls fewer per step than quantizing first.
 
 Saved for backward: ``x8`` + scales ``[T, D]`` (under EP: the received rows ``[R, D]``) (FP8, never BF16; re-permuted in backward, k times
 smaller than the permuted rows), the permuted probs, the routing maps and offsets, references to
@@ -144,16 +147,19 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
     ):
         num_experts, top_k = w1.shape[0], expert_indices.shape[1]  # local experts under EP
         # Cast 1 of 2: x [T, D] -> 1x128 FP8 row-wise, before dispatch; everything after stays FP8.
-        x_data, x_scale = quantize_1x128(x)
-        # The expert path's input rows: the tokens themselves (k experts each), or under expert
+        # The expert path's input rows: the tokens themselves (k experts each; quantized by the kernel
+        # that permutes them, which also keeps x8 in token order for backward), or under expert
         # parallelism the FP8 rows this rank received for its local experts (one expert each).
         plan, rows_k = None, top_k
-        rows, rows_scale, rows_probs, rows_experts = x_data, x_scale, probs.detach(), expert_indices
-        if ep_group is not None:
+        if ep_group is None:
+            routed = permute_pad(x, None, expert_indices, probs.detach(), num_experts, quantize=True)
+            rows, rows_scale = routed.token_data, routed.token_scale_inv
+        else:
+            x_data, x_scale = quantize_1x128(x)
             plan = plan_dispatch(expert_indices, num_experts * dist.get_world_size(ep_group), ep_group)
             rows, rows_scale, rows_probs = dispatch(x_data, x_scale, plan, probs.detach())
-            rows_experts, rows_k = plan.local_expert, 1
-        routed = permute_pad(rows, rows_scale, rows_experts, rows_probs, num_experts)
+            rows_k = 1
+            routed = permute_pad(rows, rows_scale, plan.local_expert, rows_probs, num_experts)
         offs = routed.group_end_offsets
         # Weights: 128x128 tiles, made by the GEMMs themselves as they load the weights where experts have
         # few rows; else by quantize_128x128, with weight_cache "forward"/"step" also the dgrads' exact
@@ -255,11 +261,15 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
     else:
         h, a_data, a_scale = fc1_saved
 
-    # Cast 2 of 2: dy [T, D] -> 1x128 FP8 row-wise, then the same gather as x (the combine's backward).
-    dy_data, dy_scale = quantize_1x128(grad_out.contiguous())
-    if plan is not None:  # to the experts' ranks in FP8, along the forward's routes
-        dy_data, dy_scale, _ = dispatch(dy_data, dy_scale, plan)
-    dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, rows_k, dst_rows=dst_rows)
+    # Cast 2 of 2: dy [T, D] -> 1x128 FP8 row-wise, moved as x was (the combine's backward): quantized by
+    # the kernel that permutes it, or under EP quantized, sent to the experts' ranks, then permuted.
+    if plan is None:
+        dyp, dyp_scale = permute_pad_rows(
+            grad_out.contiguous(), None, src_rows, rows_k, dst_rows=dst_rows, quantize=True
+        )
+    else:
+        dy_data, dy_scale, _ = dispatch(*quantize_1x128(grad_out.contiguous()), plan)
+        dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, rows_k, dst_rows=dst_rows)
 
     # FC2 dgrad: da [M, H] = dy @ w2 per expert, RHS = exact FP8 w2^T [E, H, D].
     qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2", in_gemm=in_gemm)

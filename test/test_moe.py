@@ -236,9 +236,12 @@ def test_two_runs_are_bit_identical(runs):
 @pytest.mark.parametrize("routing", ["balanced", "llama4_balanced"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 def test_two_activation_casts_per_step(runs, recompute, routing):
-    """Forward x and backward dy are the only explicit BF16->FP8 casts; weights quantized once each."""
+    """Forward x and backward dy are the only explicit BF16->FP8 casts, each inside the kernel that permutes
+    it (no quantize_1x128 launch of its own); weights quantized once each."""
     counts = runs[routing][recompute]["counts"]
-    assert counts["quantize_1x128"] == 2 and counts["quantize_dual_1x128"] == 0
+    assert counts["quantize_permute_pad_rows"] == 2
+    assert counts["quantize_1x128"] == 0 and counts["quantize_dual_1x128"] == 0
+    assert counts["permute_pad_rows"] == 0  # the forward's and dy's gathers are the quantizing ones
     # Few rows per expert here: each GEMM quantizes its weight tiles as it loads them (FC1, FC2, the two
     # dgrads, FC1 again when recomputed); no quantize_128x128 pass (test_weights_quantized_in_the_gemms...).
     assert counts["quantize_128x128"] == 0 and counts[QUANTIZING_GEMMS] == 4 + recompute

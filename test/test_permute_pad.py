@@ -13,16 +13,19 @@ from fp8flow_ao.kernels.permute_pad import (
     SCATTER_MIN_ROW_BYTES,
     PermutePadResult,
     launch_permute_pad_rows,
+    launch_quantize_permute_pad_rows,
     launch_route_pad,
     padded_rows_bound,
     permute_pad,
     permute_pad_reference,
     permute_pad_rows,
     permute_pad_rows_reference,
+    quantize_permute_pad_rows_reference,
     route_pad,
     route_pad_reference,
     scatter_pays,
 )
+from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128, quantize_1x128_reference
 from fp8flow_ao.kernels.unpermute_unpad import unpermute_unpad
 
 
@@ -204,6 +207,90 @@ def test_gather_row_stride_is_free():
     assert_scales_equal(scale, ref_scale)
 
 
+def _assert_quantized_rows_equal(actual, expected) -> None:
+    names = ("data", "scale_inv", "token_data", "token_scale_inv")[: len(expected)]
+    for got, ref, name in zip(actual, expected, names, strict=True):
+        if ref.dtype == FP8_DTYPE:
+            assert_fp8_equal(got, ref, name)
+        else:
+            assert got.shape == ref.shape, name
+            assert_scales_equal(got, ref)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS, ids=lambda r: f"{r[0]}-T{r[1]}-k{r[2]}")
+@pytest.mark.parametrize(
+    ("dtype", "cols", "keep"),
+    [
+        (torch.bfloat16, 384, True),
+        (torch.bfloat16, 200, False),
+        (torch.float16, 256, False),
+        (torch.float32, 128, True),
+    ],
+    ids=["bf16-384-rows+tokens", "bf16-200-rows", "fp16-256-rows", "fp32-128-rows+tokens"],
+)
+def test_quantizing_row_kernel_matches_reference(routing, dtype, cols, keep):
+    """quantize=True: each token read once, quantized 1x128 (edge values, a ragged last block), scattered to
+    its rows with the pad rows zeroed; with keep_token_rows also the token-order FP8 rows. Bit for bit the
+    reference, which is quantize_1x128 then the gather."""
+    kind, tokens, top_k, experts = routing
+    x, _ = _random_rows(dtype, tokens, cols)
+    src_rows, dst_rows, _ = route_pad(make_routing(kind, tokens, top_k, experts, DEVICE), experts)
+    out = launch_quantize_permute_pad_rows(x, src_rows, top_k, dst_rows, keep)
+    ref = quantize_permute_pad_rows_reference(x.cpu(), src_rows.cpu(), top_k, dst_rows.cpu(), keep)
+    _assert_quantized_rows_equal(out, ref)
+    # and the reference is the definition: the gather of quantize_1x128(x)'s rows
+    x8, s8 = quantize_1x128_reference(x.cpu())
+    data, scale = permute_pad_rows_reference(x8, s8, src_rows.cpu(), top_k)
+    expected_tokens = (x8, s8) if keep else (x8[:0], s8[:0])
+    _assert_quantized_rows_equal(ref, (data, scale, *expected_tokens))
+
+
+def test_permute_pad_quantizes_as_quantize_1x128():
+    """permute_pad(quantize=True) == quantize_1x128 then permute_pad, token rows included; the probs keep
+    their gradient; the public gather's quantize flag gives the same rows."""
+    tokens, top_k, experts, cols = 45, 3, 5, 256
+    x, _ = _random_rows(torch.bfloat16, tokens, cols)
+    ids = make_routing("skewed", tokens, top_k, experts, DEVICE)
+    probs = torch.rand(tokens, top_k, device=DEVICE, requires_grad=True)
+    out = permute_pad(x, None, ids, probs, experts, quantize=True)
+    x8, s8 = quantize_1x128(x)
+    two_steps = permute_pad(x8, s8, ids, probs, experts)
+    ref = permute_pad_reference(x.cpu(), None, ids.cpu(), probs.detach().cpu(), experts, quantize=True)
+    fields = ("data", "scale_inv", "token_data", "token_scale_inv")
+    _assert_quantized_rows_equal([getattr(out, f) for f in fields], [getattr(ref, f) for f in fields])
+    _assert_quantized_rows_equal([getattr(out, f) for f in fields], (two_steps.data, two_steps.scale_inv, x8, s8))
+    for expected in (two_steps, ref):
+        for name in ("probs", "src_rows", "dst_rows", "group_end_offsets"):
+            assert torch.equal(getattr(out, name).detach().cpu(), getattr(expected, name).detach().cpu()), name
+    assert two_steps.token_data is None and two_steps.token_scale_inv is None
+    (grad,) = torch.autograd.grad(out.probs.sum(), probs)
+    assert torch.equal(grad, torch.ones_like(probs))
+    data, scale = permute_pad_rows(x, None, out.src_rows, top_k, dst_rows=out.dst_rows, quantize=True)
+    _assert_quantized_rows_equal((data, scale), (out.data, out.scale_inv))
+
+
+def test_quantizing_permute_compiles_fullgraph():
+    tokens, top_k, experts = 40, 4, 6
+    x, _ = _random_rows(torch.bfloat16, tokens, 256)
+    ids = make_routing("skewed", tokens, top_k, experts, DEVICE)
+    eager = permute_pad(x, None, ids, None, experts, quantize=True)
+    compiled = torch.compile(permute_pad, fullgraph=True)(x, None, ids, None, experts, quantize=True)
+    fields = ("data", "scale_inv", "token_data", "token_scale_inv")
+    _assert_quantized_rows_equal([getattr(compiled, f) for f in fields], [getattr(eager, f) for f in fields])
+
+
+def test_quantizing_opcheck():
+    tokens, top_k, experts = 24, 2, 3
+    src_rows, dst_rows, _ = route_pad(make_routing("distinct", tokens, top_k, experts, DEVICE), experts)
+    x = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16)
+    # test_schema and the fake-tensor check compare outputs with torch.allclose, which float8 lacks
+    checks = ("test_autograd_registration", "test_aot_dispatch_dynamic")
+    for keep in (False, True):
+        torch.library.opcheck(
+            torch.ops.fp8flow.quantize_permute_pad_rows.default, (x, src_rows, top_k, dst_rows, keep), test_utils=checks
+        )
+
+
 _BUILD_KERNELS = """
 import json
 from fp8flow_ao.kernels._sm90_common import compile_for_sm90
@@ -212,14 +299,19 @@ built = []
 def build(name, kernel, pointers, ints, constexprs):
     signature = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(constexprs, "constexpr")}
     built.append([name, len(compile_for_sm90(kernel, signature, constexprs).asm["cubin"])])
+ints = ("num_rows", "num_tokens", "cols", "num_scale_cols", "top_k", "stride_xm", "stride_sm")
+scales = ("x_scale_ptr", "src_rows_ptr", "dst_rows_ptr", "scale_ptr", "tok_scale_ptr")
 for scatter in (False, True):
     for bits, has_scale in (("*u8", True), ("*i16", False), ("*i32", False)):
-        pointers = {**dict.fromkeys(("x_ptr", "data_ptr"), bits),
-                    **dict.fromkeys(("x_scale_ptr", "src_rows_ptr", "dst_rows_ptr", "scale_ptr"), "*i32")}
-        ints = ("num_rows", "num_tokens", "cols", "num_scale_cols", "top_k", "stride_xm", "stride_sm")
+        pointers = {**dict.fromkeys(("x_ptr", "data_ptr", "tok_data_ptr"), bits), **dict.fromkeys(scales, "*i32")}
         constexprs = dict(BLOCK_M=8, BLOCK_D=1024, SCALE_COLS=8, HAS_SCALE=has_scale, SCATTER=scatter,
-                          PAD_ROWS=pp._PAD_ROWS)
+                          PAD_ROWS=pp._PAD_ROWS, QUANTIZE=False, KEEP_TOKENS=False)
         build(f"rows scatter={scatter} {bits}", pp._permute_pad_rows_kernel, pointers, ints, constexprs)
+for keep in (False, True):
+    pointers = {"x_ptr": "*bf16", **dict.fromkeys(("data_ptr", "tok_data_ptr"), "*u8"), **dict.fromkeys(scales, "*i32")}
+    constexprs = dict(BLOCK_M=8, BLOCK_D=1024, SCALE_COLS=8, HAS_SCALE=True, SCATTER=True, PAD_ROWS=pp._PAD_ROWS,
+                      QUANTIZE=True, KEEP_TOKENS=keep)
+    build(f"rows quantize keep={keep}", pp._permute_pad_rows_kernel, pointers, ints, constexprs)
 for has_probs in (False, True):
     flags = dict(BLOCK_E=128, HAS_PROBS=has_probs)
     pointers = {"ids_ptr": "*i64", "counts_ptr": "*i32", "src_rows_ptr": "*i32", "probs_out_ptr": "*fp32"}
@@ -240,10 +332,11 @@ print(json.dumps(built))
 def test_kernels_build_for_sm90():
     """The CPU interpreter runs kernels without compiling them; compiled, a runtime branch must leave no
     value whose type differs between its sides (the first scatter kernel did): build the row kernel's
-    forms (FP8 rows with scales, 2- and 4-byte rows without) and the route kernels for sm_90a with
-    Triton's own ptxas."""
+    forms (FP8 rows with scales, 2- and 4-byte rows without, BF16 rows quantized with and without the
+    token-order copy) and the route kernels for sm_90a with Triton's own ptxas."""
     built = run_compiling(_BUILD_KERNELS)
     rows = [f"rows scatter={s} {b}" for s in (False, True) for b in ("*u8", "*i16", "*i32")]
+    rows += [f"rows quantize keep={k}" for k in (False, True)]
     routes = [f"route {k} probs={p}" for p in (False, True) for k in ("count", "scatter")]
     assert [name for name, _ in built] == [*rows, *routes, "route scan"]
     assert all(size > 0 for _, size in built)
@@ -388,6 +481,9 @@ def _bad_cases():
         ((x8, s8, ids, torch.ones(4, 3), 3), ValueError, "probs must have shape"),
         ((x8, s8, ids, torch.ones(4, 2, dtype=torch.float16), 3), TypeError, "probs must have dtype"),
         ((x8, s8, ids, None, 0), ValueError, "num_experts must be a positive int"),
+        ((x8, s8, ids, None, 3, True), ValueError, "quantize=True takes bf16/fp16/fp32 x without x_scale"),
+        ((xb, None, ids, None, 3, 1), TypeError, "quantize must be a bool"),
+        ((xb.requires_grad_(), None, ids, None, 3, True), RuntimeError, "has no gradient formula"),
     ]
 
 
@@ -411,6 +507,8 @@ def test_bad_gather_input():
         permute_pad_rows(x, None, src, 2, dst_rows=torch.zeros(7, dtype=torch.int32))
     with pytest.raises(TypeError, match="dst_rows must have dtype"):
         permute_pad_rows(x, None, src, 2, dst_rows=torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="quantize=True needs dst_rows"):
+        permute_pad_rows(x, None, src, 2, quantize=True)
 
 
 def test_dst_rows_that_are_not_the_inverse_raise_in_validation_mode(monkeypatch):

@@ -22,6 +22,10 @@ run under ``torch.compile(fullgraph=True)`` and CUDA graphs):
    Measured on an H200 (device time, FP8, top-8, D = 7168): the gather, which reads every token ``k``
    times, reached 62-70% of copy bandwidth, the scatter 79-82%. Under a top-1 row map (expert
    parallelism's dispatch, unaligned groups) both read each row once, and the launcher gathers.
+   With ``quantize=True`` (``fp8flow::quantize_permute_pad_rows``) the scatter reads BF16 tokens and
+   quantizes each 1 x 128 block as it goes (``quantize_1x128``'s rule, bit for bit), optionally also
+   writing the token-order FP8 rows: the FP8-Flow layer's two activation casts without a kernel of their
+   own (x in forward, keeping x8 for backward; dy in backward).
 
 The same gather, given the same ``src_rows``, is the backward of the FP8-Flow layer's unweighted
 combine (an FP8 ``[T, D]`` output gradient with its scales). The backward of the gather for
@@ -42,6 +46,7 @@ import triton
 import triton.language as tl
 
 from fp8flow_ao._checks import (
+    check_no_grad,
     check_positive_int,
     check_row_major,
     check_row_map,
@@ -51,15 +56,16 @@ from fp8flow_ao._checks import (
     validate_index_range,
     validation_enabled,
 )
-from fp8flow_ao._format import BLOCK, FP8_DTYPE
+from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel, next_pow2
 from fp8flow_ao.kernels._registry import define_op
-from fp8flow_ao.kernels._triton_common import col_block
+from fp8flow_ao.kernels._triton_common import col_block, nan_free_abs, pow2_scale_inv_and_scale
 
 # Importing it also registers fp8flow::unpermute_unpad, which is the backward of the gather here.
 from fp8flow_ao.kernels.unpermute_unpad import take_rows_or_zero
 
 _INPUT_DTYPES = (FP8_DTYPE, torch.bfloat16, torch.float16, torch.float32)
+SCALE_BLOCK = tl.constexpr(BLOCK)  # a global a kernel reads must be a constexpr
 _PROBS_DTYPES = (torch.float32, torch.bfloat16)
 _EXPERT_ID_DTYPES = (torch.int32, torch.int64)
 # Rows move as raw bits (integers of the same width): exact for every value, NaN payloads included.
@@ -383,6 +389,8 @@ def _permute_pad_rows_kernel(
     dst_rows_ptr,
     data_ptr,
     scale_ptr,
+    tok_data_ptr,
+    tok_scale_ptr,
     num_rows,
     num_tokens,
     cols,
@@ -396,6 +404,8 @@ def _permute_pad_rows_kernel(
     HAS_SCALE: tl.constexpr,
     SCATTER: tl.constexpr,
     PAD_ROWS: tl.constexpr,
+    QUANTIZE: tl.constexpr = False,
+    KEEP_TOKENS: tl.constexpr = False,
 ):
     """Gather: one program is ``BLOCK_M`` padded rows x ``BLOCK_D`` columns and their ``SCALE_COLS``
     scales; row ``r`` copies token ``src_rows[r] // top_k``, rows with ``src_rows[r] < 0`` are written 0
@@ -405,6 +415,10 @@ def _permute_pad_rows_kernel(
     them to their ``top_k`` rows ``dst_rows[t * top_k + j]``; the programs after them write 0 into the
     pad rows (``src_rows[r] < 0``) of ``PAD_ROWS``-row blocks. Same output; a token is read once, not
     ``top_k`` times.
+
+    ``QUANTIZE`` (with ``SCATTER``; ``BLOCK_D`` a multiple of 128): ``x`` is high precision; the scatter
+    programs quantize their tile to 1x128 E4M3 (the scale rule of ``quantize_1x128``) before writing it, and
+    with ``KEEP_TOKENS`` also write the quantized tokens in token order (``tok_data``, ``tok_scale``).
     """
     pid = tl.program_id(0)
     num_col_blocks = tl.cdiv(cols, BLOCK_D)
@@ -419,7 +433,10 @@ def _permute_pad_rows_kernel(
     out = (data_ptr, scale_ptr, cols, num_scale_cols)
     if pid < scatter_programs:
         toks = ((pid // num_col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        _scatter_tokens(x, out, dst_rows_ptr, toks, num_tokens, top_k, cols_, HAS_SCALE)
+        tokens_out = (tok_data_ptr, tok_scale_ptr, cols, num_scale_cols)
+        _scatter_tokens(
+            x, out, tokens_out, dst_rows_ptr, toks, num_tokens, top_k, cols_, HAS_SCALE, QUANTIZE, KEEP_TOKENS
+        )
     else:
         block_rows: tl.constexpr = PAD_ROWS if SCATTER else BLOCK_M
         rows = (((pid - scatter_programs) // num_col_blocks) * block_rows + tl.arange(0, block_rows)).to(tl.int64)
@@ -427,13 +444,32 @@ def _permute_pad_rows_kernel(
 
 
 @triton.jit
-def _scatter_tokens(x, out, dst_rows_ptr, toks, num_tokens, top_k, cols_, HAS_SCALE: tl.constexpr):
+def _scatter_tokens(
+    x,
+    out,
+    tokens_out,
+    dst_rows_ptr,
+    toks,
+    num_tokens,
+    top_k,
+    cols_,
+    HAS_SCALE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    KEEP_TOKENS: tl.constexpr,
+):
     """Read the tokens ``toks`` of ``x`` once (the column block ``cols_``) and write them to their ``top_k``
-    rows of ``out``."""
+    rows of ``out``; ``QUANTIZE``: as one 1x128 E4M3 block per row (and to ``tokens_out``, ``KEEP_TOKENS``)."""
     tok_ok = toks < num_tokens
     src, m, src_s, m_s = _row_block(x, toks, tok_ok, cols_)
-    vals = tl.load(src, mask=m)
-    if HAS_SCALE:
+    # other=0: a ragged last scale block's missing columns must not enter its amax
+    vals = tl.load(src, mask=m, other=0)
+    if QUANTIZE:
+        vals, s = _quantize_rows(vals)
+        if KEEP_TOKENS:
+            tok_data, _, tok_s, _ = _row_block(tokens_out, toks, tok_ok, cols_)
+            tl.store(tok_data, vals, mask=m)
+            tl.store(tok_s, s, mask=m_s)
+    elif HAS_SCALE:
         s = tl.load(src_s, mask=m_s)
     for j in range(top_k):
         dst = tl.load(dst_rows_ptr + toks * top_k + j, mask=tok_ok, other=0).to(tl.int64)
@@ -441,6 +477,19 @@ def _scatter_tokens(x, out, dst_rows_ptr, toks, num_tokens, top_k, cols_, HAS_SC
         tl.store(dst_data, vals, mask=m)
         if HAS_SCALE:
             tl.store(dst_s, s, mask=m_s)
+
+
+@triton.jit
+def _quantize_rows(x):
+    """``[rows, n * 128]`` high-precision values -> (E4M3 of the same shape and fp32 scale_inv ``[rows, n]``, as
+    the bits the row kernel moves: uint8, int32): one power-of-two scale per 1 x 128 block, ``quantize_1x128``'s
+    rule."""
+    rows: tl.constexpr = x.shape[0]
+    cols: tl.constexpr = x.shape[1]
+    blocks = tl.reshape(x.to(tl.float32), [rows, cols // SCALE_BLOCK, SCALE_BLOCK])
+    scale_inv, scale = pow2_scale_inv_and_scale(tl.max(nan_free_abs(blocks), axis=2))
+    q = (blocks * scale[:, :, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return tl.reshape(q, [rows, cols]), scale_inv.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -474,6 +523,18 @@ def _empty_scale(x: torch.Tensor, x_scale: torch.Tensor | None, num_rows: int) -
     return torch.empty(shape, dtype=torch.float32, device=x.device)
 
 
+def _empty_rows(x: torch.Tensor, x_scale: torch.Tensor | None, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gather's outputs: ``[num_rows, D]`` in ``x``'s dtype and :func:`_empty_scale`."""
+    return x.new_empty((num_rows, x.shape[1])), _empty_scale(x, x_scale, num_rows)
+
+
+def _empty_quantized(x: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 ``[num_rows, D]`` and its fp32 ``[num_rows, ceil(D/128)]`` scales, for high-precision ``x``."""
+    return x.new_empty((num_rows, x.shape[1]), dtype=FP8_DTYPE), x.new_empty(
+        (num_rows, -(-x.shape[1] // BLOCK)), dtype=torch.float32
+    )
+
+
 def scatter_pays(row_bytes: int, top_k: int) -> bool:
     """Whether the row kernel scatters (reads each token once, writes its ``top_k`` rows) rather than gathers
     (each padded row reads its token), given ``dst_rows``: with ``top_k > 1`` and rows of at least
@@ -500,49 +561,83 @@ def launch_permute_pad_rows(
     but returns an empty scale tensor instead of ``None``. Given ``dst_rows``, it scatters where that pays
     (:func:`scatter_pays`) and gathers otherwise; ``scatter`` pins the form (tests, benchmarks; ``True``
     needs ``dst_rows``)."""
-    num_rows, cols = src_rows.shape[0], x.shape[1]
-    data = torch.empty((num_rows, cols), dtype=x.dtype, device=x.device)
-    scale = _empty_scale(x, x_scale, num_rows)
-    if num_rows == 0 or cols == 0:
-        return data, scale
-    has_scale = x_scale is not None
     if scatter is None:
-        scatter = dst_rows is not None and scatter_pays(cols * x.element_size(), top_k)
+        scatter = dst_rows is not None and scatter_pays(x.shape[1] * x.element_size(), top_k)
     elif scatter and dst_rows is None:
         raise ValueError("scatter=True needs dst_rows")
-    # A column tile holds whole 128-column scale blocks, so each program moves its rows' scales too.
-    block_d = col_block(cols, _MAX_COL_BYTES // x.element_size(), BLOCK if has_scale else 16)
+    data, scale = _empty_rows(x, x_scale, src_rows.shape[0])
+    _launch_rows(x, x_scale, src_rows, top_k, dst_rows if scatter else None, (data, scale), None)
+    return data, scale
+
+
+def launch_quantize_permute_pad_rows(
+    x: torch.Tensor, src_rows: torch.Tensor, top_k: int, dst_rows: torch.Tensor, keep_token_rows: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``) of :func:`permute_pad_rows` with
+    ``quantize=True``: the scatter form, quantizing as it reads; returns ``(data, scale_inv, token_data,
+    token_scale_inv)``, the last two empty unless ``keep_token_rows``."""
+    num_tokens = x.shape[0] if keep_token_rows else 0
+    out = _empty_quantized(x, src_rows.shape[0])
+    tokens = _empty_quantized(x, num_tokens)
+    _launch_rows(x, None, src_rows, top_k, dst_rows, out, tokens if keep_token_rows else None)
+    return (*out, *tokens)
+
+
+def _launch_rows(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    src_rows: torch.Tensor,
+    top_k: int,
+    dst_rows: torch.Tensor | None,
+    out: tuple[torch.Tensor, torch.Tensor],
+    tokens: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Launch the row kernel into ``out`` (data, scales): scattering when ``dst_rows`` is given, else
+    gathering; quantizing high-precision ``x`` where ``out`` is FP8 (scatter only), then also into
+    ``tokens`` when given."""
+    (num_rows, cols), (data, scale) = out[0].shape, out
+    if num_rows == 0 or cols == 0:
+        return
+    quantize = x.dtype != data.dtype
+    has_scale = x_scale is not None or quantize
+    scatter = dst_rows is not None
+    # A column tile holds whole 128-column scale blocks, so each program moves (or makes) its rows' scales too.
+    block_d = col_block(cols, _MAX_COL_BYTES // data.element_size(), BLOCK if has_scale else 16)
     block_d = max(block_d, BLOCK) if has_scale else block_d
-    block_m = max(1, _TILE_BYTES // (block_d * x.element_size()))
+    block_m = max(1, _TILE_BYTES // (block_d * data.element_size()))
     col_blocks = cdiv(cols, block_d)
     programs = cdiv(num_rows, _PAD_ROWS if scatter else block_m) * col_blocks
     if scatter:
         programs += cdiv(x.shape[0], block_m) * col_blocks
+    tok_data, tok_scale = tokens if tokens is not None else out  # unread without KEEP_TOKENS
     launch_kernel(
         _permute_pad_rows_kernel,
         (programs,),
-        _bits(x),
-        _bits(x_scale) if has_scale else src_rows,  # unread when HAS_SCALE is False
+        x if quantize else _bits(x),
+        _bits(x_scale) if x_scale is not None else src_rows,  # unread without an input scale
         src_rows,
         dst_rows if scatter else src_rows,  # unread without SCATTER
         _bits(data),
         _bits(scale),
+        _bits(tok_data),
+        _bits(tok_scale),
         num_rows,
         x.shape[0],
         cols,
         scale.shape[1] if has_scale else 0,
         top_k,
         x.stride(0),
-        x_scale.stride(0) if has_scale else 0,
+        x_scale.stride(0) if x_scale is not None else 0,
         BLOCK_M=block_m,
         BLOCK_D=block_d,
         SCALE_COLS=block_d // BLOCK if has_scale else 1,
         HAS_SCALE=has_scale,
         SCATTER=scatter,
         PAD_ROWS=_PAD_ROWS,
+        QUANTIZE=quantize,
+        KEEP_TOKENS=tokens is not None,
         num_warps=4,
     )
-    return data, scale
 
 
 def permute_pad_rows_reference(
@@ -556,7 +651,35 @@ def permute_pad_rows_reference(
 
 
 def _permute_pad_rows_fake(x, x_scale, src_rows, top_k, dst_rows=None):
-    return x.new_empty((src_rows.shape[0], x.shape[1])), _empty_scale(x, x_scale, src_rows.shape[0])
+    return _empty_rows(x, x_scale, src_rows.shape[0])
+
+
+def quantize_permute_pad_rows_reference(
+    x: torch.Tensor, src_rows: torch.Tensor, top_k: int, dst_rows: torch.Tensor, keep_token_rows: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference (the oracle and the CPU path) of :func:`launch_quantize_permute_pad_rows`: the tokens
+    quantized 1x128 (as ``quantize_1x128``), then gathered as :func:`permute_pad_rows_reference` does;
+    ``dst_rows`` names the same rows, so it is not read."""
+    tok_data, tok_scale = quantize_rows_reference(x, BLOCK)
+    data, scale = permute_pad_rows_reference(tok_data, tok_scale, src_rows, top_k)
+    if not keep_token_rows:
+        tok_data, tok_scale = _empty_quantized(x, 0)
+    return data, scale, tok_data, tok_scale
+
+
+@define_op("quantize_permute_pad_rows")
+def _quantize_permute_pad_rows_op(
+    x: torch.Tensor, src_rows: torch.Tensor, top_k: int, dst_rows: torch.Tensor, keep_token_rows: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_permute_pad_rows_reference(x, src_rows, top_k, dst_rows, keep_token_rows)
+
+
+_quantize_permute_pad_rows_op.register_kernel("cuda")(launch_quantize_permute_pad_rows)
+
+
+@_quantize_permute_pad_rows_op.register_fake
+def _(x, src_rows, top_k, dst_rows, keep_token_rows):
+    return (*_empty_quantized(x, src_rows.shape[0]), *_empty_quantized(x, x.shape[0] if keep_token_rows else 0))
 
 
 def _dst_rows_from_src_rows(src_rows: torch.Tensor, num_src: int) -> torch.Tensor:
@@ -614,9 +737,16 @@ for _name in ("permute_pad_rows", "permute_pad_rows_recompute"):
     _register_permute_pad_rows(_name)
 
 
-def _check_rows_input(x: torch.Tensor, x_scale: torch.Tensor | None) -> None:
+def _check_rows_input(x: torch.Tensor, x_scale: torch.Tensor | None, quantize: bool = False) -> None:
     check_tensor("x", x, dtypes=_INPUT_DTYPES, ndim=2)
     check_row_major("x", x)
+    if not isinstance(quantize, bool):
+        raise TypeError(f"quantize must be a bool, got {type(quantize).__name__}")
+    if quantize:
+        if x.dtype == FP8_DTYPE or x_scale is not None:
+            raise ValueError(f"quantize=True takes bf16/fp16/fp32 x without x_scale, got {x.dtype} x")
+        check_no_grad("permute_pad_rows(quantize=True)", x)
+        return
     if x.dtype == FP8_DTYPE:
         if x_scale is None:
             raise ValueError("x_scale is required for E4M3 x (COMPACT [T, ceil(D/128)] fp32 scale_inv)")
@@ -646,6 +776,7 @@ def permute_pad_rows(
     top_k: int,
     recompute: bool = False,
     dst_rows: torch.Tensor | None = None,
+    quantize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gather token rows into padded expert-major order: row ``r`` = ``x[src_rows[r] // top_k]``.
 
@@ -663,13 +794,18 @@ def permute_pad_rows(
             == i``; :func:`route_pad`'s). Given, the CUDA kernel may read each token once and write its
             ``top_k`` rows instead of reading it once per row (same result; where :func:`scatter_pays`).
             Its values and the inverse relation are checked only with ``FP8FLOW_VALIDATE=1``.
+        quantize: ``True``: quantize high-precision ``x`` (``x_scale`` None) to 1x128 E4M3 on the way, in
+            the kernel that moves it (``fp8flow::quantize_permute_pad_rows``; needs ``dst_rows``): the rows
+            of ``quantize_1x128(x)`` gathered, bit for bit, in one pass that reads each token once and
+            writes no token-order FP8 copy. Not differentiable (``x`` must not require grad).
 
     Returns:
-        ``(data, scale_inv)``: ``data`` ``[M_pad, D]`` in ``x``'s dtype, ``scale_inv`` fp32
-        ``[M_pad, ceil(D/128)]`` (``None`` for non-FP8 ``x``); both contiguous, 0 on pad rows.
-        Differentiable in floating-point ``x`` (backward: :func:`unpermute_unpad` without probs).
+        ``(data, scale_inv)``: ``data`` ``[M_pad, D]`` in ``x``'s dtype (E4M3 with ``quantize``),
+        ``scale_inv`` fp32 ``[M_pad, ceil(D/128)]`` (``None`` for non-FP8 output); both contiguous, 0 on
+        pad rows. Differentiable in floating-point ``x`` without ``quantize`` (backward:
+        :func:`unpermute_unpad` without probs).
     """
-    _check_rows_input(x, x_scale)
+    _check_rows_input(x, x_scale, quantize)
     check_positive_int("top_k", top_k)
     check_row_map("src_rows", src_rows, -1, x.shape[0] * top_k)
     check_same_device(x=x, x_scale=x_scale, src_rows=src_rows)
@@ -677,6 +813,11 @@ def permute_pad_rows(
         raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
     if dst_rows is not None:
         _check_dst_rows(dst_rows, src_rows, x.shape[0] * top_k)
+    if quantize:
+        if dst_rows is None:
+            raise ValueError("quantize=True needs dst_rows (route_pad's inverse row map)")
+        data, scale, _, _ = torch.ops.fp8flow.quantize_permute_pad_rows(x, src_rows, top_k, dst_rows, False)
+        return data, scale
     op = torch.ops.fp8flow.permute_pad_rows_recompute if recompute else torch.ops.fp8flow.permute_pad_rows
     data, scale = op(x, x_scale, src_rows, top_k, dst_rows)
     return data, (scale if x_scale is not None else None)
@@ -697,18 +838,27 @@ class PermutePadResult(NamedTuple):
     """int32 ``[T * k]``: padded row of (token t, slot j) at ``t * k + j``."""
     group_end_offsets: torch.Tensor
     """int32 ``[E]``: padded group ends, multiples of 128 (every group starts on a 128-row boundary)."""
+    token_data: torch.Tensor | None = None
+    """``quantize=True``: E4M3 ``[T, D]``, the tokens quantized 1x128 in token order (``quantize_1x128(x)``'s
+    data); else ``None``."""
+    token_scale_inv: torch.Tensor | None = None
+    """``quantize=True``: fp32 ``[T, ceil(D/128)]`` COMPACT scales of ``token_data``; else ``None``."""
 
 
-def _permute_pad(x, x_scale, expert_indices, probs, num_experts, route, permute_rows) -> PermutePadResult:
+def _permute_pad(x, x_scale, expert_indices, probs, num_experts, quantize, reference) -> PermutePadResult:
+    """route_pad, then the row kernel (quantizing with ``quantize``): the ops, or their references."""
+    ops = torch.ops.fp8flow
+    route = route_pad_reference if reference else ops.route_pad
     permuted_probs, src_rows, dst_rows, offsets = route(expert_indices, num_experts, probs)
-    data, scale = permute_rows(x, x_scale, src_rows, expert_indices.shape[1], dst_rows)
+    top_k, tokens = expert_indices.shape[1], ()
+    if quantize:
+        rows = quantize_permute_pad_rows_reference if reference else ops.quantize_permute_pad_rows
+        data, scale, *tokens = rows(x, src_rows, top_k, dst_rows, True)
+    else:
+        data, scale = (_rows_reference if reference else ops.permute_pad_rows)(x, x_scale, src_rows, top_k, dst_rows)
+        scale = scale if x_scale is not None else None
     return PermutePadResult(
-        data,
-        scale if x_scale is not None else None,
-        permuted_probs if probs is not None else None,
-        src_rows,
-        dst_rows,
-        offsets,
+        data, scale, permuted_probs if probs is not None else None, src_rows, dst_rows, offsets, *tokens
     )
 
 
@@ -718,9 +868,10 @@ def permute_pad_reference(
     expert_indices: torch.Tensor,
     probs: torch.Tensor | None,
     num_experts: int,
+    quantize: bool = False,
 ) -> PermutePadResult:
     """Torch reference of :func:`permute_pad` (no checks; the torch gather instead of the kernel)."""
-    return _permute_pad(x, x_scale, expert_indices, probs, num_experts, route_pad_reference, _rows_reference)
+    return _permute_pad(x, x_scale, expert_indices, probs, num_experts, quantize, reference=True)
 
 
 def permute_pad(
@@ -729,6 +880,7 @@ def permute_pad(
     expert_indices: torch.Tensor,
     probs: torch.Tensor | None,
     num_experts: int,
+    quantize: bool = False,
 ) -> PermutePadResult:
     """Permute token rows into 128-aligned expert groups (route + one fused gather kernel, no sync).
 
@@ -739,13 +891,18 @@ def permute_pad(
             (a token may name one expert twice: two rows).
         probs: optional ``[T, k]`` fp32/bf16 router probs, permuted alongside.
         num_experts: E.
+        quantize: ``True``: quantize high-precision ``x`` (``x_scale`` None) to 1x128 E4M3 in the kernel
+            that permutes it (:func:`permute_pad_rows`' ``quantize``): ``data``/``scale_inv`` are the
+            permuted rows of ``quantize_1x128(x)``, bit for bit, and ``token_data``/``token_scale_inv``
+            that quantization itself in token order, from the same pass (each token read once). ``x``
+            must not require grad.
 
     Returns:
-        :class:`PermutePadResult` ``(data, scale_inv, probs, src_rows, dst_rows, group_end_offsets)``
-        with ``M_pad = padded_rows_bound(T*k, E)`` rows; see its fields. Differentiable in
-        floating-point ``x`` and in ``probs``.
+        :class:`PermutePadResult` ``(data, scale_inv, probs, src_rows, dst_rows, group_end_offsets,
+        token_data, token_scale_inv)`` with ``M_pad = padded_rows_bound(T*k, E)`` rows; see its fields.
+        Differentiable in ``probs``, and in floating-point ``x`` without ``quantize``.
     """
-    _check_rows_input(x, x_scale)
+    _check_rows_input(x, x_scale, quantize)
     _check_expert_indices(expert_indices, num_experts)
     if expert_indices.shape[0] != x.shape[0]:
         raise ValueError(f"expert_indices must have x's {x.shape[0]} rows, got shape {tuple(expert_indices.shape)}")
@@ -753,5 +910,4 @@ def permute_pad(
         check_tensor("probs", probs, dtypes=_PROBS_DTYPES, ndim=2)
         check_shape("probs", probs, tuple(expert_indices.shape))
     check_same_device(x=x, x_scale=x_scale, expert_indices=expert_indices, probs=probs)
-    ops = torch.ops.fp8flow
-    return _permute_pad(x, x_scale, expert_indices, probs, num_experts, ops.route_pad, ops.permute_pad_rows)
+    return _permute_pad(x, x_scale, expert_indices, probs, num_experts, quantize, reference=False)
