@@ -245,6 +245,16 @@ def test_quantizing_row_kernel_matches_reference(routing, dtype, cols, keep):
     _assert_quantized_rows_equal(ref, (data, scale, *expected_tokens))
 
 
+def test_quantizing_row_stride_is_free():
+    """quantize=True reads x through its row stride (a column slice of a wider tensor), as quantize_1x128 does."""
+    wide, _ = _random_rows(torch.bfloat16, 40, 512)
+    view = wide[:, 128:384]
+    src_rows, dst_rows, _ = route_pad(make_routing("skewed", 40, 3, 4, DEVICE), 4)
+    out = launch_quantize_permute_pad_rows(view, src_rows, 3, dst_rows, True)
+    ref = quantize_permute_pad_rows_reference(view.contiguous().cpu(), src_rows.cpu(), 3, dst_rows.cpu(), True)
+    _assert_quantized_rows_equal(out, ref)
+
+
 def test_permute_pad_quantizes_as_quantize_1x128():
     """permute_pad(quantize=True) == quantize_1x128 then permute_pad, token rows included; the probs keep
     their gradient; the public gather's quantize flag gives the same rows."""
@@ -509,6 +519,8 @@ def test_bad_gather_input():
         permute_pad_rows(x, None, src, 2, dst_rows=torch.zeros(8, dtype=torch.int64))
     with pytest.raises(ValueError, match="quantize=True needs dst_rows"):
         permute_pad_rows(x, None, src, 2, quantize=True)
+    with pytest.raises(ValueError, match="does not combine with quantize=True"):
+        permute_pad_rows(x, None, src, 2, recompute=True, dst_rows=torch.zeros(8, dtype=torch.int32), quantize=True)
 
 
 def test_dst_rows_that_are_not_the_inverse_raise_in_validation_mode(monkeypatch):

@@ -816,6 +816,8 @@ def permute_pad_rows(
     if quantize:
         if dst_rows is None:
             raise ValueError("quantize=True needs dst_rows (route_pad's inverse row map)")
+        if recompute:
+            raise ValueError("recompute=True gathers rows a forward gathered; it does not combine with quantize=True")
         data, scale, _, _ = torch.ops.fp8flow.quantize_permute_pad_rows(x, src_rows, top_k, dst_rows, False)
         return data, scale
     op = torch.ops.fp8flow.permute_pad_rows_recompute if recompute else torch.ops.fp8flow.permute_pad_rows
