@@ -141,8 +141,7 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
     scattered = {"what": "scatter only (pinned)", "gbps_rows_fetched": None}
     scattered["device_us"] = device_us(_scatter, gather_sets)
     quantized = [
-        _quantized_row(case, sets, gather_sets, keep, tokens * dim * 2 + m_pad * 4 + out_bytes)
-        for keep in (False, True)
+        _quantized_row(case, gather_sets, keep, tokens * dim * 2 + m_pad * 4 + out_bytes) for keep in (False, True)
     ]
     return [
         *quantized,
@@ -167,11 +166,11 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
     ]
 
 
-def _quantized_row(case: str, sets, gather_sets, keep: bool, rows_bytes: int) -> dict:
+def _quantized_row(case: str, gather_sets, keep: bool, rows_bytes: int) -> dict:
     """``permute_pad_rows(quantize=True)`` (scatter form) against quantize_1x128 + permute_pad_rows, BF16 tokens
     in; checked bit for bit first. Bytes: BF16 x read once, src_rows, the padded FP8 rows and scales written,
     and with ``keep`` the token-order FP8 rows and scales too."""
-    tokens, dim = sets[0][0].shape
+    tokens, dim = gather_sets[0][0].shape
     bf16_sets = [
         ((x.float() * s.repeat_interleave(BLOCK, 1)).to(torch.bfloat16), src, dst, k, keep)
         for (x, s, src, dst, k) in gather_sets

@@ -65,9 +65,10 @@ from fp8flow_ao.kernels._triton_common import col_block, nan_free_abs, pow2_scal
 from fp8flow_ao.kernels.unpermute_unpad import take_rows_or_zero
 
 _INPUT_DTYPES = (FP8_DTYPE, torch.bfloat16, torch.float16, torch.float32)
-SCALE_BLOCK = tl.constexpr(BLOCK)  # a global a kernel reads must be a constexpr
 _PROBS_DTYPES = (torch.float32, torch.bfloat16)
 _EXPERT_ID_DTYPES = (torch.int32, torch.int64)
+# The quantizing scatter's scale block (a global a kernel reads must be a constexpr).
+SCALE_BLOCK = tl.constexpr(BLOCK)
 # Rows move as raw bits (integers of the same width): exact for every value, NaN payloads included.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 # 8 KiB of data per program, 4 warps: each thread moves four 16-byte vectors. On sm_90 (ptxas via
