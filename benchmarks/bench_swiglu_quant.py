@@ -8,11 +8,15 @@ Bytes at the algorithmic minimum (R = rows before the last group end, about M):
 * backward: read grad_a (R * H * 2) + h (R * 2H * 2) + probs (R * 4); write dh row-wise and
   column-wise (2 * M * 2H) + their scales (2 * M * 2H/128 * 4) + grad_probs (M * 4).
 
+* forward with ``transpose=True`` (``a``'s column-wise copy from the same kernel, the layer's forward when
+  FC2's wgrad needs it): the forward's bytes + the copy (M * H + M/128 * H * 4).
+
 Baselines (speed-up = baseline time / ours):
 * ``torch.compile(fullgraph=True, dynamic=True)`` of the torch reference (one compile for all
   shapes keeps the script under 90 s);
 * the unfused eager sequence a user would write: ``F.silu(g) * u * p`` in BF16 then
-  ``quantize_1x128``; backward: the BF16 SwiGLU backward math, ``quantize_1x128`` of ``dh`` and
+  ``quantize_1x128``; forward with the transpose: the two ops it replaces in the layer, ``swiglu_quant`` and
+  ``scaling_aware_transpose`` of its output, and the plain forward alone (what the copy costs); backward: the BF16 SwiGLU backward math, ``quantize_1x128`` of ``dh`` and
   ``quantize_1x128`` of ``dh.t().contiguous()``.
 
 Ours is timed through the forward's launcher and the public backward op, each with its output allocation
@@ -20,7 +24,7 @@ Ours is timed through the forward's launcher and the public backward op, each wi
 row names it); ``device_us`` is
 its device time with the host excluded (``_bench.device_us``), next to ``ours_us``. ``--sweep`` times the
 Triton launch configurations instead (``ours_us`` and ``device_us`` each), to choose FORWARD_CONFIG /
-BACKWARD_CONFIG.
+TRANSPOSE_CONFIG / BACKWARD_CONFIG.
 
     python benchmarks/bench_swiglu_quant.py [--sweep]
 """
@@ -52,9 +56,11 @@ from _bench import (  # noqa: E402
 
 from fp8flow_ao._format import BLOCK  # noqa: E402
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128  # noqa: E402
+from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose  # noqa: E402
 from fp8flow_ao.kernels.swiglu_quant import (  # noqa: E402
     BACKWARD_CONFIG,
     FORWARD_CONFIG,
+    TRANSPOSE_CONFIG,
     LaunchConfig,
     backward_configs,
     backward_takes_sm90_kernel,
@@ -70,6 +76,7 @@ ROWS = (32768, 65536)
 MODELS = (DEEPSEEK_V3, QWEN3_30B_A3B)
 ROUTINGS = {"balanced": balanced_counts, "skewed": skewed_counts}
 SWEEP_FORWARD = [LaunchConfig(16, 4), LaunchConfig(32, 4), LaunchConfig(64, 4), LaunchConfig(64, 8)]
+SWEEP_TRANSPOSE = [LaunchConfig(128, 8), LaunchConfig(128, 4), LaunchConfig(128, 16)]
 SWEEP_BACKWARD = backward_configs()
 
 
@@ -113,10 +120,17 @@ def eager_backward(grad_a: torch.Tensor, h: torch.Tensor, probs: torch.Tensor) -
     return quantize_1x128(dh), quantize_1x128(dh.t().contiguous()), grad_probs
 
 
-def bytes_moved(rows: int, hidden: int, valid_rows: int, backward: bool) -> int:
+def forward_then_transpose(h: torch.Tensor, probs: torch.Tensor, ends: torch.Tensor) -> tuple:
+    """What the layer ran before the transposing forward: the forward, then the transpose of its output."""
+    data, scale, _, _ = launch_swiglu_quant(h, probs, ends)
+    return data, scale, *scaling_aware_transpose(data, scale, ends)
+
+
+def bytes_moved(rows: int, hidden: int, valid_rows: int, backward: bool, transpose: bool = False) -> int:
     """Each input read once (rows before the last end), each output written once (all rows)."""
     if not backward:
-        return valid_rows * (2 * hidden * 2 + 4) + rows * (hidden + hidden // BLOCK * 4)
+        copies = 2 if transpose else 1
+        return valid_rows * (2 * hidden * 2 + 4) + copies * rows * (hidden + hidden // BLOCK * 4)
     return valid_rows * (3 * hidden * 2 + 4) + 2 * rows * (2 * hidden + 2 * hidden // BLOCK * 4) + rows * 4
 
 
@@ -134,6 +148,7 @@ def run_cases(sweep: bool) -> list[dict]:
         extra = {"rows": rows, "hidden": model.hidden, "experts": model.experts, "routing": routing}
         fwd_sets = [(h, p, e) for _, h, p, e in sets]
         fwd_bytes = bytes_moved(rows, model.hidden, valid, backward=False)
+        fwd_t_bytes = bytes_moved(rows, model.hidden, valid, backward=False, transpose=True)
         bwd_bytes = bytes_moved(rows, model.hidden, valid, backward=True)
         directions = [
             (
@@ -145,6 +160,17 @@ def run_cases(sweep: bool) -> list[dict]:
                 [
                     ("torch.compile reference", compiled_fwd, fwd_sets),
                     ("eager BF16 SwiGLU + quantize_1x128", eager_forward, [(h, p) for h, p, _ in fwd_sets]),
+                ],
+            ),
+            (
+                "forward_transpose",
+                functools.partial(launch_swiglu_quant, transpose=True),
+                fwd_sets,
+                fwd_t_bytes,
+                SWEEP_TRANSPOSE,
+                [
+                    ("swiglu_quant + scaling_aware_transpose", forward_then_transpose, fwd_sets),
+                    ("swiglu_quant alone (no transpose)", launch_swiglu_quant, fwd_sets),
                 ],
             ),
             (
@@ -182,7 +208,8 @@ def _kernel_name(direction: str, inputs: tuple) -> str:
     """The kernel the op runs on ``inputs`` (grad_a, h, ...), by the op's own rule."""
     if direction == "backward" and backward_takes_sm90_kernel(inputs[0], inputs[1]):
         return "sm90 TMA ring"
-    return f"triton {FORWARD_CONFIG if direction == 'forward' else BACKWARD_CONFIG}"
+    configs = {"forward": FORWARD_CONFIG, "forward_transpose": TRANSPOSE_CONFIG}
+    return f"triton {configs.get(direction, BACKWARD_CONFIG)}"
 
 
 def main() -> None:

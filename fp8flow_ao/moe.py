@@ -112,11 +112,13 @@ def _fc1_swiglu(
     probs: torch.Tensor,
     offs: torch.Tensor,
     score_before: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FC1 + SwiGLU(x prob) + quant: ``h`` BF16 ``[M, 2H]`` and ``a8`` + scales ``[M, H]`` (forward and recompute)."""
+    transpose: bool,
+) -> tuple[torch.Tensor, ...]:
+    """FC1 + SwiGLU(x prob) + quant: ``h`` BF16 ``[M, 2H]`` and ``a8`` + scales ``[M, H]`` (forward and recompute);
+    with ``transpose`` also ``a8``'s column-wise copy for FC2's wgrad, from the same kernel (its scaling-aware
+    transpose: no launch of its own in backward, ``a8`` not read back)."""
     h = _expert_gemm(xp, xp_scale, w13, offs)
-    a_data, a_scale = swiglu_quant(h, probs, offs, score_before)
-    return h, a_data, a_scale
+    return (h, *swiglu_quant(h, probs, offs, score_before, transpose))
 
 
 def _autocast_off(fn):
@@ -167,13 +169,18 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         qw = weights_for_forward(
             w1, w2, w3, weight_cache, rows.shape[0] * rows_k, ExpertWeightsFP8(*cached) if cached else NOTHING
         )
-        h, a_data, a_scale = _fc1_swiglu(routed.data, routed.scale_inv, qw.fc1(), routed.probs, offs, score_before)
+        # Kept for backward unless recomputed: h and, where the FC2 wgrad runs in FP8, a8 column-wise (the
+        # same bytes as a8, which FC2 then no longer needs).
+        keep_a_t = not recompute and backward not in ABLATIONS
+        h, a_data, a_scale, *a_t = _fc1_swiglu(
+            routed.data, routed.scale_inv, qw.fc1(), routed.probs, offs, score_before, keep_a_t
+        )
         y = _expert_gemm(a_data, a_scale, qw.fc2(), offs)
         out = unpermute_unpad(y, routed.dst_rows, rows_k)
         if plan is not None:
             out = combine(out, plan)
 
-        fc1_saved = () if recompute else (h, a_data, a_scale)
+        fc1_saved = () if recompute else (h, *a_t)
         # w1, w2, w3 are the parameters themselves (alive anyway): saving them costs no memory.
         kept = kept_for_backward(qw, recompute)
         ctx.save_for_backward(
@@ -256,10 +263,10 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
     )
     if ctx.recompute:
         xp, xp_scale = _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k)
-        h, a_data, a_scale = _fc1_swiglu(xp, xp_scale, qw13.fc1(), probs_p, offs, ctx.score_before)
+        h, _, _, *a_t = _fc1_swiglu(xp, xp_scale, qw13.fc1(), probs_p, offs, ctx.score_before, fp8_wgrads)
         del xp, xp_scale
     else:
-        h, a_data, a_scale = fc1_saved
+        h, *a_t = fc1_saved
 
     # Cast 2 of 2: dy [T, D] -> 1x128 FP8 row-wise, moved as x was (the combine's backward): quantized by
     # the kernel that permutes it, or under EP quantized, sent to the experts' ranks, then permuted.
@@ -278,7 +285,7 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
     if fp8_wgrads:
         # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
         dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
-        a_t, a_t_scale = scaling_aware_transpose(a_data, a_scale, offs)
+        a_t, a_t_scale = a_t  # made with a8 by swiglu_quant(transpose=True)
         # Weight gradients leave the GEMM in the weights' dtype: the kernel accumulates in fp32 and rounds
         # once (the same bits as rounding an fp32 result), without writing and re-reading an fp32 copy.
         # The transpose's scales are one per 128x128 tile (b_tile_scales: one FFMA an element to promote).

@@ -219,6 +219,11 @@ def build_spills(module: str, builds: list[str]) -> list[list]:
     return run_compiling(code)
 
 
+def run_build_script(code: str) -> Any:
+    """:func:`run_compiling` of ``code`` after the build prelude (``parallel_map``, ``local_memory_instructions``)."""
+    return run_compiling(_BUILD_PRELUDE + code)
+
+
 def run_compiling(code: str) -> Any:
     """Run ``code`` in a fresh process without ``TRITON_INTERPRET`` (kernels then compile: the interpreter runs
     them without compiling, so it misses what only the compiler refuses) and return the JSON value its last

@@ -14,9 +14,10 @@ import pytest
 import torch
 import triton
 from conftest import DEVICE, IS_HOPPER
-from fp8_helpers import assert_fp8_close, assert_scales_equal, build_spills, run_compiling
+from fp8_helpers import assert_fp8_close, assert_scales_equal, build_spills, run_build_script, run_compiling
 
 from fp8flow_ao._format import BLOCK, dequantize_rows_reference
+from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose_reference
 from fp8flow_ao.kernels.swiglu_quant import (
     backward_configs,
     launch_swiglu_quant,
@@ -78,10 +79,16 @@ def _rows_past_end(m: int, ends: torch.Tensor | None) -> slice:
 
 
 def _assert_forward_matches(h, probs, ends, before: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    data, scale = launch_swiglu_quant(h, probs, ends, before)
-    ref_data, ref_scale = swiglu_quant_reference(h.cpu(), _cpu(probs), _cpu(ends), before)
+    """Both forward kernels: the plain one's ``a`` against the reference (>= 99.9% bit-exact, the exp), and the
+    transposing one's ``a`` bit for bit the plain one's, with the scaling-aware transpose of those very rows."""
+    data, scale, *no_t = launch_swiglu_quant(h, probs, ends, before)
+    assert [tuple(t.shape) for t in no_t] == [(0,), (0,)]
+    ref_data, ref_scale, *_ = swiglu_quant_reference(h.cpu(), _cpu(probs), _cpu(ends), before)
     assert_scales_equal(scale, ref_scale, "a_scale")
     assert_fp8_close(data, ref_data, MIN_EXACT, "a_data")
+    a_t = scaling_aware_transpose_reference(data.cpu(), scale.cpu(), _cpu(ends))
+    expected = (data, scale, *(t.to(DEVICE) for t in a_t))
+    _assert_identical(launch_swiglu_quant(h, probs, ends, before, transpose=True), expected)
     return data, scale
 
 
@@ -193,6 +200,7 @@ def test_probs_of_one_equal_no_probs():
     h, grad_a, _ = _inputs(128, 128, with_probs=False)
     ones = torch.ones(128, device=DEVICE)
     _assert_identical(launch_swiglu_quant(h, ones), launch_swiglu_quant(h))
+    _assert_identical(launch_swiglu_quant(h, ones, transpose=True), launch_swiglu_quant(h, transpose=True))
     _assert_identical(launch_swiglu_quant_backward(grad_a, h, ones)[:4], launch_swiglu_quant_backward(grad_a, h)[:4])
     # with every prob 1, scaling SwiGLU's inputs and scaling its output are the same function
     _assert_identical(launch_swiglu_quant(h, ones, None, True), launch_swiglu_quant(h))
@@ -226,7 +234,7 @@ def test_end_to_end_numerics_vs_fp64_autograd(before):
         a64 = torch.nn.functional.silu(g64) * u64 * p64[:, None]
     a64.backward(grad_a.cpu().double())
 
-    data, scale = launch_swiglu_quant(h, probs, None, before)
+    data, scale, _, _ = launch_swiglu_quant(h, probs, None, before)
     deq_a = dequantize_rows_reference(data.cpu(), scale.cpu(), BLOCK)
     _assert_within_e4m3(deq_a, a64.detach(), scale.cpu().repeat_interleave(BLOCK, 1), "a")
 
@@ -362,6 +370,12 @@ def test_no_rows():
     probs = torch.empty(0, device=DEVICE)
     data, scale = swiglu_quant(h, probs, ends)
     assert data.shape == (0, 128) and scale.shape == (0, 1)
+    assert [tuple(t.shape) for t in swiglu_quant(h, probs, ends, transpose=True)] == [
+        (0, 128),
+        (0, 1),
+        (128, 0),
+        (0, 128),
+    ]
     out = swiglu_quant_backward(torch.empty(0, 128, device=DEVICE, dtype=torch.bfloat16), h, probs, ends)
     assert [tuple(t.shape) for t in out] == [(0, 256), (0, 2), (256, 0), (0, 256), (0,)]
 
@@ -377,6 +391,9 @@ def test_public_ops_and_compile(extras):
     ends = _ends([100, 0, 20]) if with_extras else None
     eager = swiglu_quant(h, probs, ends, before)
     _assert_identical(torch.compile(swiglu_quant, fullgraph=True)(h, probs, ends, before), eager)
+    eager_t = swiglu_quant(h, probs, ends, before, transpose=True)
+    _assert_identical(eager_t[:2], eager)
+    _assert_identical(torch.compile(swiglu_quant, fullgraph=True)(h, probs, ends, before, transpose=True), eager_t)
     eager_bwd = swiglu_quant_backward(grad_a, h, probs, ends, before)
     assert (eager_bwd[4] is None) == (not with_extras)
     compiled_bwd = torch.compile(swiglu_quant_backward, fullgraph=True)(grad_a, h, probs, ends, before)
@@ -394,7 +411,8 @@ def test_opcheck(extras):
     with_extras, before = EXTRAS[extras]
     h, grad_a, probs = _inputs(256, 128, with_extras)
     ends = _ends([130, 0]) if with_extras else None
-    torch.library.opcheck(torch.ops.fp8flow.swiglu_quant.default, (h, probs, ends, before))
+    for transpose in (False, True):
+        torch.library.opcheck(torch.ops.fp8flow.swiglu_quant.default, (h, probs, ends, before, transpose))
     torch.library.opcheck(torch.ops.fp8flow.swiglu_quant_backward.default, (grad_a, h, probs, ends, before))
 
 
@@ -428,6 +446,40 @@ def test_bad_input(args, error, match):
         swiglu_quant(*args)
     with pytest.raises(error, match=match):
         swiglu_quant_backward(_bf16(128, 128), *args)
+
+
+def test_bad_transpose_flag():
+    with pytest.raises(TypeError, match="transpose must be a bool"):
+        swiglu_quant(_bf16(128, 256), None, None, False, 1)
+
+
+_BUILD_FORWARD = """
+from fp8flow_ao.kernels._sm90_common import compile_for_sm90
+from fp8flow_ao.kernels import swiglu_quant as mod
+
+def build(item):
+    transpose, has_probs, before = item
+    pointers = {"h_ptr": "*bf16", "probs_ptr": "*fp32", "offsets_ptr": "*i32", "data_ptr": "*fp8e4nv",
+                "scale_inv_ptr": "*fp32", "data_t_ptr": "*fp8e4nv", "scale_inv_t_ptr": "*fp32"}
+    config = mod.TRANSPOSE_CONFIG if transpose else mod.FORWARD_CONFIG
+    constexprs = dict(HAS_PROBS=has_probs, SCORE_BEFORE_EXPERTS=before, HAS_OFFSETS=True, APPROX=True,
+                      BLOCK_M=config.block_m, TRANSPOSE=transpose)
+    ints = ("M", "H", "stride_hm", "num_groups")
+    signature = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(constexprs, "constexpr")}
+    built = compile_for_sm90(mod._swiglu_quant_kernel, signature, constexprs, num_warps=config.num_warps,
+                             enable_fp_fusion=False)
+    return [list(item), local_memory_instructions(built.asm["cubin"])]
+
+items = [(t, p, b) for t in (False, True) for p, b in ((False, False), (True, False), (True, True))]
+print(json.dumps(parallel_map(build, items)))
+"""
+
+
+def test_forward_kernels_build_for_sm90():
+    """The interpreter runs the forward kernels without compiling them: build both (plain, and with ``a``'s
+    transpose) for sm_90a in each probs form, as their launches specialize them; no spills."""
+    built = run_build_script(_BUILD_FORWARD)
+    assert len(built) == 6 and all(spills == 0 for _, spills in built), built
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,11 @@ from fp8flow_ao.kernels._launch import next_pow2
 AMAX_EPS = tl.constexpr(_format.AMAX_EPS)
 FP8_MAX_EXP = tl.constexpr(_format._FP8_MAX_EXP)
 FP8_MAX_MANTISSA_BITS = tl.constexpr(_format._FP8_MAX_MANTISSA_BITS)
+# Any exponent shift >= 19 sends every E4M3 value (|x| <= 448 < 2**9) below half the smallest subnormal
+# (2**-10), so it rounds to +-0. Capping the shift at 24 changes no result and keeps 2**-shift exact in
+# fp16 (smallest subnormal 2**-24), where a pad row's or an inf tile's shift (up to 255) would underflow.
+MAX_SHIFT = 24
+_TL_MAX_SHIFT = tl.constexpr(MAX_SHIFT)
 
 
 @triton.jit
@@ -110,11 +115,15 @@ def transpose_row_slices(q0, q1, q2, q3):
 def store_rowwise(x, rows, rows_ok, data_ptr, scale_ptr, cols64, row_stride, scale_row_stride, scale_col):
     """Quantize fp32 ``x [R, 128]`` (rows ``rows``, columns ``cols64``) in 1 x 128 blocks and store it:
     data at ``data_ptr[rows * row_stride + cols64]``, each row's scale at ``scale_ptr[rows *
-    scale_row_stride + scale_col]`` (0 where not ``rows_ok``)."""
+    scale_row_stride + scale_col]`` (0 where not ``rows_ok``). Returns what it stored: ``(E4M3 [R, 128],
+    scales [R])``, for a kernel that also re-encodes the tile (:func:`reencode_tile_transposed`)."""
     scale_inv, scale = pow2_scale_inv_and_scale(nan_ignoring_amax(x, axis=1))
     rows64 = rows.to(tl.int64)
-    tl.store(data_ptr + rows64[:, None] * row_stride + cols64[None, :], (x * scale[:, None]).to(tl.float8e4nv))
-    tl.store(scale_ptr + rows64 * scale_row_stride + scale_col, tl.where(rows_ok, scale_inv, 0.0))
+    q = (x * scale[:, None]).to(tl.float8e4nv)
+    stored_scale = tl.where(rows_ok, scale_inv, 0.0)
+    tl.store(data_ptr + rows64[:, None] * row_stride + cols64[None, :], q)
+    tl.store(scale_ptr + rows64 * scale_row_stride + scale_col, stored_scale)
+    return q, stored_scale
 
 
 @triton.jit
@@ -145,3 +154,49 @@ def gathered_rows(src_rows_ptr, rows, row_ok, GATHER: tl.constexpr):
         src = tl.load(src_rows_ptr + rows, mask=row_ok, other=-1)
         return src >= 0, src.to(tl.int64)
     return row_ok, rows.to(tl.int64)
+
+
+@triton.jit
+def exponent_shift_multiplier(s, s_max):
+    """Per row block: the exact power of two ``s / s_max`` as ``2**-min(e_max - e_r, MAX_SHIFT)``; 0 for pad
+    rows (``s == 0``).
+
+    Taken from the exponent fields, not a division: it stays exact, and s_max = +inf (exponent 255)
+    or 0 needs no special case (an inf row keeps its data; a pad row or pad tile gives 0).
+    """
+    e_r = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e_max = (s_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    shift = tl.minimum(e_max - e_r, _TL_MAX_SHIFT)
+    mult = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    return tl.where(s == 0.0, 0.0, mult)
+
+
+@triton.jit
+def reencode_rows(x, s, s_max):
+    """Re-encode a row slice of E4M3 ``x [R, C]`` with row scales ``s [R]`` to the tile's scale ``s_max``:
+    fp8 -> fp16 -> x 2**-shift -> fp8 (the scaling-aware transpose's rule).
+
+    fp16 instead of fp32 because sm_90 converts fp8 <-> fp16 two at a time and multiplies fp16
+    pairs (fp32 adds an fp16 -> fp32 widening and a scalar multiply per element): same bits. It is exact: an E4M3 value (4 significant bits,
+    >= 2**-9) times 2**-shift (shift <= 24, a normal or subnormal fp16) is exact in fp16 whenever
+    it is >= 2**-14; anything smaller becomes an E4M3 +-0 either way (it stays < 2**-10 = half the
+    smallest E4M3 subnormal after fp16 rounding), so the one rounding that matters is the final
+    round-to-nearest-even to E4M3 (``cvt.rn.satfinite.e4m3x2.f16x2``).
+    """
+    mult = exponent_shift_multiplier(s, s_max).to(tl.float16)
+    return (x.to(tl.float16) * mult[:, None]).to(tl.float8e4nv)
+
+
+@triton.jit
+def reencode_tile_transposed(x0, x1, x2, x3, s0, s1, s2, s3):
+    """A row-wise E4M3 tile of ``4R`` rows held as four row slices (``x<b> [R, C]``: rows ``4r + b``, row scales
+    ``s<b> [R]``; 0 for pad rows) -> ``(y_t, s_max)``: the tile re-encoded to one scale, the max of its rows'
+    (:func:`reencode_rows`), and transposed, ``[C, 4R]`` E4M3 (tokens contiguous)."""
+    s_max = tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), axis=0)
+    y_t = transpose_row_slices(
+        reencode_rows(x0, s0, s_max),
+        reencode_rows(x1, s1, s_max),
+        reencode_rows(x2, s2, s_max),
+        reencode_rows(x3, s3, s_max),
+    )
+    return y_t, s_max

@@ -64,15 +64,14 @@ from fp8flow_ao.kernels._sm90_common import (
     tile_ring_loader,
     tma_store,
 )
-from fp8flow_ao.kernels._triton_common import last_group_end, transpose_row_slices
+from fp8flow_ao.kernels._triton_common import (
+    MAX_SHIFT,
+    exponent_shift_multiplier,
+    last_group_end,
+    reencode_tile_transposed,
+)
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows_reference
 
-# Any shift >= 19 sends every E4M3 value (|x| <= 448 < 2**9) below half the smallest subnormal
-# (2**-10), so it rounds to +-0. Capping the shift at 24 changes no result and keeps 2**-shift
-# exact in fp16 (smallest subnormal 2**-24), where a pad row's or an inf tile's shift (up to 255)
-# would underflow.
-_MAX_SHIFT = 24
-_TL_MAX_SHIFT = tl.constexpr(_MAX_SHIFT)
 _TL_BLOCK = tl.constexpr(BLOCK)
 
 
@@ -136,20 +135,6 @@ def default_transpose_config(k: int) -> TransposeConfig:
 
 
 @triton.jit
-def _exponent_shift_multiplier(s, s_max):
-    """Per row block: the exact power of two ``s / s_max`` as ``2**-min(e_max - e_r, cap)``; 0 for pad rows.
-
-    Taken from the exponent fields, not a division: it stays exact, and s_max = +inf (exponent 255)
-    or 0 needs no special case (an inf row keeps its data; a pad row or pad tile gives 0).
-    """
-    e_r = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    e_max = (s_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    shift = tl.minimum(e_max - e_r, _TL_MAX_SHIFT)
-    mult = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-    return tl.where(s == 0.0, 0.0, mult)
-
-
-@triton.jit
 def _source_rows(src_rows_ptr, row0, quads, b, valid_rows, top_k, GATHER: tl.constexpr):
     """Rows ``r = 4 * q + b`` (q < 32) of the row tile at ``row0``: which row holds each, and (with
     ``GATHER``) which are not pad rows. Without ``GATHER``: ``r`` itself (int32, relative to ``row0``);
@@ -204,21 +189,6 @@ def _load_tile(
     x2, s2 = _load_rows(data_rows, scale_rows, row2, real2, quads, 2, limit, kb, K, num_kb, GATHER)
     x3, s3 = _load_rows(data_rows, scale_rows, row3, real3, quads, 3, limit, kb, K, num_kb, GATHER)
     return x0, x1, x2, x3, s0, s1, s2, s3
-
-
-@triton.jit
-def _reencode_rows(x, s, s_max):
-    """Re-encode a row slice to the tile's scale ``s_max``: fp8 -> fp16 -> x 2**-shift -> fp8.
-
-    fp16 instead of fp32 because sm_90 converts fp8 <-> fp16 two at a time and multiplies fp16
-    pairs (fp32 adds an fp16 -> fp32 widening and a scalar multiply per element): same bits. It is exact: an E4M3 value (4 significant bits,
-    >= 2**-9) times 2**-shift (shift <= 24, a normal or subnormal fp16) is exact in fp16 whenever
-    it is >= 2**-14; anything smaller becomes an E4M3 +-0 either way (it stays < 2**-10 = half the
-    smallest E4M3 subnormal after fp16 rounding), so the one rounding that matters is the final
-    round-to-nearest-even to E4M3 (``cvt.rn.satfinite.e4m3x2.f16x2``).
-    """
-    mult = _exponent_shift_multiplier(s, s_max).to(tl.float16)
-    return (x.to(tl.float16) * mult[:, None]).to(tl.float8e4nv)
 
 
 @triton.jit(do_not_specialize=["group_m"])  # it follows M when group_m is None: no recompile per M
@@ -288,12 +258,7 @@ def _scaling_aware_transpose_kernel(
         n0, n1, n2, n3, t0, t1, t2, t3 = _load_tile(
             data_rows, scale_rows, r0, r1, r2, r3, ok0, ok1, ok2, ok3, quads, next_rows, kb + 1, K, num_kb, GATHER
         )
-        s_max = tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), axis=0)
-        y0 = _reencode_rows(x0, s0, s_max)
-        y1 = _reencode_rows(x1, s1, s_max)
-        y2 = _reencode_rows(x2, s2, s_max)
-        y3 = _reencode_rows(x3, s3, s_max)
-        y_t = transpose_row_slices(y0, y1, y2, y3)  # [k, 128 tokens]
+        y_t, s_max = reencode_tile_transposed(x0, x1, x2, x3, s0, s1, s2, s3)  # [k, 128 tokens]
         out = data_t_ptr + row0 + kb * _TL_BLOCK * M.to(tl.int64)
         tl.store(out + idx[:, None] * M + idx[None, :], y_t)
         tl.store(scale_inv_t_ptr + pid_m * K + kb * _TL_BLOCK + idx, tl.zeros([_TL_BLOCK], tl.float32) + s_max)
@@ -337,7 +302,7 @@ def _sat_sm90_transposer(PART: gl.constexpr, PARTS: gl.constexpr, HAS_OFFSETS: g
         # without them.
         scale = gl.load(scale_ptr + (row0 + idx) * num_kb + kb, mask=row0 + idx < end, other=0.0)
         s_max = gl.max(scale, axis=0)
-        mult = gl.convert_layout(_exponent_shift_multiplier(scale, s_max).to(gl.float16), gl.SliceLayout(1, layout))
+        mult = gl.convert_layout(exponent_shift_multiplier(scale, s_max).to(gl.float16), gl.SliceLayout(1, layout))
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         x = in_bufs.index(s).load(layout)
         # Every warp has read the slot before it is freed: the barrier of this partition's warps.
@@ -537,7 +502,7 @@ def scaling_aware_transpose_reference(
     """Torch reference (the oracle and the CPU path): the kernel's arithmetic, tile by tile.
 
     It multiplies in fp32 where the kernel multiplies in fp16; both are exact up to the final
-    round-to-nearest-even cast (see ``_reencode_rows``), which the exhaustive every-code x
+    round-to-nearest-even cast (see ``_triton_common.reencode_rows``), which the exhaustive every-code x
     every-shift test confirms bit for bit.
     """
     m, k = data.shape
@@ -548,7 +513,7 @@ def scaling_aware_transpose_reference(
     s_max = s.reshape(-1, BLOCK, nkb).amax(dim=1)  # [M/128, K/128]
     e_r = (s.view(torch.int32) >> 23) & 0xFF
     e_max = ((s_max.view(torch.int32) >> 23) & 0xFF).repeat_interleave(BLOCK, dim=0)
-    shift = torch.clamp(e_max - e_r, max=_MAX_SHIFT)
+    shift = torch.clamp(e_max - e_r, max=MAX_SHIFT)
     mult = torch.where(s == 0, 0.0, ((127 - shift) << 23).view(torch.float32))
     data_t = cast_to_fp8(x * mult[..., None]).reshape(m, k).t().contiguous()
     return data_t, s_max.repeat_interleave(BLOCK, dim=1)

@@ -101,11 +101,12 @@ from fp8flow_ao.kernels._sm90_common import (
 )
 from fp8flow_ao.kernels._triton_common import (
     last_group_end,
-    nan_ignoring_amax,
     pow2_scale_inv_and_scale,
+    reencode_tile_transposed,
     store_colwise_transposed,
     store_rowwise,
 )
+from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose_reference
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,10 @@ class LaunchConfig:
 # 4 warps: many programs share an SM, so one program's loads overlap another's math (H200 sweep,
 # 2026-11-24: 87-95% of copy bandwidth, device-only; block_m 16 to 64 within 4%).
 FORWARD_CONFIG = LaunchConfig(block_m=32, num_warps=4)
+# Forward with ``a``'s scaling-aware transpose: a program owns a 128-row block (the transposed tile's scale
+# block); only ``num_warps`` is free.
+TRANSPOSE_CONFIG = LaunchConfig(block_m=128, num_warps=8)
+_TL_BLOCK = tl.constexpr(BLOCK)
 
 
 def backward_configs() -> list[LaunchConfig]:
@@ -185,28 +190,20 @@ def _sigmoid(g, APPROX: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_quant_kernel(
+def _swiglu_rows(
     h_ptr,
     probs_ptr,
-    offsets_ptr,
-    data_ptr,
-    scale_inv_ptr,
-    M,
+    rows,
+    row_ok,
+    cols,
     H,
     stride_hm,
-    num_groups,
     HAS_PROBS: tl.constexpr,
     SCORE_BEFORE_EXPERTS: tl.constexpr,
-    HAS_OFFSETS: tl.constexpr,
     APPROX: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr,
 ):
-    """One program: ``BLOCK_M`` rows x one 128-column block of ``a`` (reads that block of gate and of up)."""
-    pid_h = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < last_group_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
+    """fp32 ``a [R, 128]`` of rows ``rows`` and columns ``cols`` of H (reads those columns of gate and of up);
+    0 in rows not ``row_ok``."""
     rows64 = rows.to(tl.int64)
     gate_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
     g = tl.load(gate_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -219,9 +216,77 @@ def _swiglu_quant_kernel(
     a = g * _sigmoid(g, APPROX) * u
     if HAS_PROBS and not SCORE_BEFORE_EXPERTS:
         a = a * p
-    scale_inv, scale = pow2_scale_inv_and_scale(nan_ignoring_amax(a, axis=1))
-    tl.store(data_ptr + rows64[:, None] * H + cols[None, :], (a * scale[:, None]).to(tl.float8e4nv))
-    tl.store(scale_inv_ptr + rows64 * (H // BLOCK_H) + pid_h, tl.where(row_ok, scale_inv, 0.0))
+    return a
+
+
+@triton.jit
+def _swiglu_quant_rows(
+    rows,
+    h_ptr,
+    probs_ptr,
+    end,
+    cols,
+    H,
+    stride_hm,
+    data_ptr,
+    scale_inv_ptr,
+    pid_h,
+    HAS_PROBS: tl.constexpr,
+    SCORE_BEFORE_EXPERTS: tl.constexpr,
+    APPROX: tl.constexpr,
+):
+    """``a`` of rows ``rows`` (those before ``end``) and columns ``cols``, quantized 1x128 and stored row-wise;
+    returns what was stored (:func:`~fp8flow_ao.kernels._triton_common.store_rowwise`)."""
+    ok = rows < end
+    a = _swiglu_rows(h_ptr, probs_ptr, rows, ok, cols, H, stride_hm, HAS_PROBS, SCORE_BEFORE_EXPERTS, APPROX)
+    return store_rowwise(a, rows, ok, data_ptr, scale_inv_ptr, cols.to(tl.int64), H, H // _TL_BLOCK, pid_h)
+
+
+@triton.jit
+def _swiglu_quant_kernel(
+    h_ptr,
+    probs_ptr,
+    offsets_ptr,
+    data_ptr,
+    scale_inv_ptr,
+    data_t_ptr,
+    scale_inv_t_ptr,
+    M,
+    H,
+    stride_hm,
+    num_groups,
+    HAS_PROBS: tl.constexpr,
+    SCORE_BEFORE_EXPERTS: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr,
+    APPROX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+):
+    """One program: ``BLOCK_M`` rows x one 128-column block of ``a`` (reads that block of gate and of up).
+
+    With ``TRANSPOSE`` (``BLOCK_M`` = 128) the block is held as four 32-row slices (rows ``4q + b``): each
+    slice is quantized row-wise and stored, then the tile of those E4M3 rows is re-encoded to one scale and
+    stored transposed -- :func:`scaling_aware_transpose`'s tile, bit for bit, without writing ``a`` and
+    reading it back."""
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    row0 = pid_m * BLOCK_M
+    cols = pid_h * _TL_BLOCK + tl.arange(0, _TL_BLOCK)
+    end = last_group_end(offsets_ptr, num_groups, M, HAS_OFFSETS)
+    args = (h_ptr, probs_ptr, end, cols, H, stride_hm, data_ptr, scale_inv_ptr, pid_h)
+    if not TRANSPOSE:
+        _swiglu_quant_rows(row0 + tl.arange(0, BLOCK_M), *args, HAS_PROBS, SCORE_BEFORE_EXPERTS, APPROX)
+    else:
+        rows = row0 + 4 * tl.arange(0, BLOCK_M // 4)  # slice b holds rows + b
+        q0, s0 = _swiglu_quant_rows(rows, *args, HAS_PROBS, SCORE_BEFORE_EXPERTS, APPROX)
+        q1, s1 = _swiglu_quant_rows(rows + 1, *args, HAS_PROBS, SCORE_BEFORE_EXPERTS, APPROX)
+        q2, s2 = _swiglu_quant_rows(rows + 2, *args, HAS_PROBS, SCORE_BEFORE_EXPERTS, APPROX)
+        q3, s3 = _swiglu_quant_rows(rows + 3, *args, HAS_PROBS, SCORE_BEFORE_EXPERTS, APPROX)
+        y_t, s_max = reencode_tile_transposed(q0, q1, q2, q3, s0, s1, s2, s3)
+        tokens = row0 + tl.arange(0, BLOCK_M)
+        cols64 = cols.to(tl.int64)
+        tl.store(data_t_ptr + cols64[:, None] * M + tokens[None, :], y_t)
+        tl.store(scale_inv_t_ptr + pid_m.to(tl.int64) * H + cols64, tl.zeros([_TL_BLOCK], tl.float32) + s_max)
 
 
 @triton.jit
@@ -397,42 +462,55 @@ def _kernel_flags(
     }
 
 
+def _allocate_forward(h: torch.Tensor, transpose: bool) -> tuple[torch.Tensor, ...]:
+    """The forward's outputs for ``h [M, 2H]``: ``a`` row-wise, and column-wise with ``transpose`` (else a pair
+    of empty ``(0,)`` tensors)."""
+    m, hidden = h.shape[0], h.shape[1] // 2
+    t_shapes = ((hidden, m), (m // BLOCK, hidden)) if transpose else ((0,), (0,))
+    return (
+        h.new_empty((m, hidden), dtype=FP8_DTYPE),
+        h.new_empty((m, hidden // BLOCK), dtype=torch.float32),
+        h.new_empty(t_shapes[0], dtype=FP8_DTYPE),
+        h.new_empty(t_shapes[1], dtype=torch.float32),
+    )
+
+
 def launch_swiglu_quant(
     h: torch.Tensor,
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
     score_before_experts: bool = False,
-    config: LaunchConfig = FORWARD_CONFIG,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as :func:`swiglu_quant`."""
-    if BLOCK % config.block_m:
-        raise ValueError(f"the forward needs block_m dividing {BLOCK} (M is a multiple of it), got {config}")
+    transpose: bool = False,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``) of the op ``fp8flow::swiglu_quant``:
+    :func:`swiglu_quant`'s four outputs, the column-wise pair empty ``(0,)`` tensors without ``transpose``.
+    ``config``: :data:`FORWARD_CONFIG` / :data:`TRANSPOSE_CONFIG` when ``None``."""
+    config = config or (TRANSPOSE_CONFIG if transpose else FORWARD_CONFIG)
+    if (config.block_m != BLOCK) if transpose else (BLOCK % config.block_m):
+        need = f"block_m == {BLOCK}" if transpose else f"block_m dividing {BLOCK} (M is a multiple of it)"
+        raise ValueError(f"the forward{' with transpose' if transpose else ''} needs {need}, got {config}")
     m, two_h = h.shape
     hidden = two_h // 2
-    data = torch.empty((m, hidden), dtype=FP8_DTYPE, device=h.device)
-    scale_inv = torch.empty((m, hidden // BLOCK), dtype=torch.float32, device=h.device)
+    out = _allocate_forward(h, transpose)
     if m == 0:
-        return data, scale_inv
+        return out
+    args = (h, h if probs is None else probs, h if group_end_offsets is None else group_end_offsets)
+    sizes = (m, hidden, h.stride(0), 0 if group_end_offsets is None else group_end_offsets.numel())
     launch_kernel(
         _swiglu_quant_kernel,
         (cdiv(m, config.block_m), hidden // BLOCK),
-        h,
-        h if probs is None else probs,
-        h if group_end_offsets is None else group_end_offsets,
-        data,
-        scale_inv,
-        m,
-        hidden,
-        h.stride(0),
-        0 if group_end_offsets is None else group_end_offsets.numel(),
+        *args,
+        *(out if transpose else out[:2] * 2),  # without the transpose its pointers are never written
+        *sizes,
         **_kernel_flags(probs, group_end_offsets, score_before_experts),
         APPROX=_APPROX,
         BLOCK_M=config.block_m,
-        BLOCK_H=BLOCK,
+        TRANSPOSE=transpose,
         num_warps=config.num_warps,
         enable_fp_fusion=False,  # no fma contraction: the same roundings as the reference
     )
-    return data, scale_inv
+    return out
 
 
 def launch_swiglu_quant_backward(
@@ -826,13 +904,19 @@ def swiglu_quant_reference(
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
     score_before_experts: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`swiglu_quant` (the oracle and the CPU path)."""
+    transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of the op ``fp8flow::swiglu_quant`` (the oracle and the CPU path): ``a`` row-wise, then
+    column-wise by :func:`~fp8flow_ao.kernels.scaling_aware_transpose.scaling_aware_transpose_reference` of it
+    (empty ``(0,)`` tensors without ``transpose``)."""
     rows_ok = _rows_computed(h.shape[0], group_end_offsets, h.device)
     data, scale_inv = quantize_rows_reference(
         swiglu_reference(h, probs, group_end_offsets, score_before_experts), BLOCK
     )
-    return data, torch.where(rows_ok[:, None], scale_inv, 0.0)
+    scale_inv = torch.where(rows_ok[:, None], scale_inv, 0.0)
+    if not transpose:
+        return data, scale_inv, *_allocate_forward(h, False)[2:]
+    return data, scale_inv, *scaling_aware_transpose_reference(data, scale_inv, group_end_offsets)
 
 
 def swiglu_reference(
@@ -913,8 +997,9 @@ def _swiglu_quant_op(
     probs: torch.Tensor | None,
     group_end_offsets: torch.Tensor | None,
     score_before_experts: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return swiglu_quant_reference(h, probs, group_end_offsets, score_before_experts)
+    transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_quant_reference(h, probs, group_end_offsets, score_before_experts, transpose)
 
 
 _swiglu_quant_op.register_kernel("cuda")(launch_swiglu_quant)
@@ -926,9 +1011,9 @@ def _(
     probs: torch.Tensor | None,
     group_end_offsets: torch.Tensor | None,
     score_before_experts: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    m, two_h = h.shape
-    return h.new_empty((m, two_h // 2), dtype=FP8_DTYPE), h.new_empty((m, two_h // 2 // BLOCK), dtype=torch.float32)
+    transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _allocate_forward(h, transpose)
 
 
 @define_op("swiglu_quant_backward")
@@ -992,7 +1077,8 @@ def swiglu_quant(
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
     score_before_experts: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    transpose: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """``a = silu(gate) * up * prob`` (or ``silu(prob * gate) * (prob * up)``) quantized 1x128 to E4M3, in one pass.
 
     Args:
@@ -1007,15 +1093,23 @@ def swiglu_quant(
             ``False``: ``a = silu(gate) * up * prob`` (the prob scales the expert's output);
             ``True``: ``a = silu(prob * gate) * (prob * up)`` (the prob scaled the expert's input,
             and FC1 is linear). ``True`` needs ``probs``.
+        transpose: also return ``a``'s column-wise copy (FC2's wgrad operand), made by the same kernel from
+            the E4M3 rows it writes: :func:`~fp8flow_ao.kernels.scaling_aware_transpose.scaling_aware_transpose`
+            of ``(a_data, a_scale, group_end_offsets)``, bit for bit, without reading ``a`` back.
 
     Returns:
         ``(a_data, a_scale)``: ``a_data`` E4M3 ``[M, H]`` row-major; ``a_scale`` fp32
         ``[M, H / 128]`` (COMPACT row-wise), the dequantize multiplier (``a ~= data * scale``), a
-        power of two.
+        power of two. With ``transpose``, ``(a_data, a_scale, a_t_data, a_t_scale)``: ``a_t_data`` E4M3
+        ``[H, M]`` (tokens contiguous), ``a_t_scale`` fp32 ``[M / 128, H]``, one power of two per 128 x 128 tile
+        (every column of a tile carries it), the dequantize multiplier.
     """
     _check_inputs(h, probs, group_end_offsets, score_before_experts)
+    if not isinstance(transpose, bool):
+        raise TypeError(f"transpose must be a bool, got {type(transpose).__name__}")
     check_no_grad("swiglu_quant", h, probs)
-    return torch.ops.fp8flow.swiglu_quant(h, probs, group_end_offsets, score_before_experts)
+    out = torch.ops.fp8flow.swiglu_quant(h, probs, group_end_offsets, score_before_experts, transpose)
+    return out if transpose else out[:2]
 
 
 def swiglu_quant_backward(
