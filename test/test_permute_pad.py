@@ -448,7 +448,8 @@ def test_opcheck(gather):
     tokens, top_k, experts = 24, 2, 3
     ids = make_routing("distinct", tokens, top_k, experts, DEVICE)
     src_rows, dst_rows, _ = route_pad(ids, experts)
-    probs = torch.rand(tokens, top_k, device=DEVICE, requires_grad=True)
+    # The ops carry no gradient (their public functions do: test_backward_matches_fp64_autograd); inputs without requires_grad.
+    probs = torch.rand(tokens, top_k, device=DEVICE)
     torch.library.opcheck(torch.ops.fp8flow.route_pad.default, (ids, experts, probs))
     torch.library.opcheck(torch.ops.fp8flow.route_pad.default, (ids, experts, None))
     x8, s8 = (
@@ -461,7 +462,7 @@ def test_opcheck(gather):
     torch.library.opcheck(op, (x8, s8, src_rows, top_k), test_utils=checks)
     torch.library.opcheck(op, (x8, s8, src_rows, top_k, dst_rows), test_utils=checks)
     assert_fp8_equal(x8, x8_before, "x8 after the op")
-    x = torch.randn(tokens, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(tokens, 128, device=DEVICE, dtype=torch.bfloat16)
     torch.library.opcheck(op, (x, None, src_rows, top_k))
     torch.library.opcheck(op, (x, None, src_rows, top_k, dst_rows))
     # the public function's recompute flag picks the second name and gives the same rows

@@ -1,9 +1,10 @@
-"""The lean op registration (``fp8flow_ao.kernels._registry``): autograd only where an op has a formula."""
+"""The lean op registration (``fp8flow_ao.kernels._registry``): no op has an autograd kernel; an op with a
+gradient formula differentiates through its public function (an autograd Function, only where needed)."""
 
 import pytest
 import torch
 
-import fp8flow_ao.kernels.permute_pad  # noqa: F401  (registers fp8flow::route_pad)
+from fp8flow_ao.kernels.permute_pad import _route_pad_op, route_pad_reference
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128, quantize_1x128_reference
 
 
@@ -36,10 +37,28 @@ def test_without_grad_the_op_is_the_reference():
     assert torch.equal(scale, ref_scale)
 
 
-def test_an_op_with_a_formula_differentiates():
-    """route_pad's formula (the probs' gradient gathered back) still runs through the shared autograd kernel."""
+def test_an_op_with_a_formula_differentiates_through_its_function():
+    """route_pad's formula (the probs' gradient gathered back) runs in the autograd Function its LeanOp
+    applies when an input requires grad; the op itself has no autograd kernel."""
+    for op in ("route_pad", "permute_pad_rows", "permute_pad_rows_recompute", "unpermute_unpad"):
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8flow::{op}", "Autograd"), op
     ids = torch.tensor([[0, 1], [1, 0], [1, 1]])
     probs = torch.rand(3, 2, requires_grad=True)
-    probs_out, _, dst_rows, _ = torch.ops.fp8flow.route_pad(ids, 2, probs)
+    probs_out, _, dst_rows, _ = _route_pad_op(ids, 2, probs)
+    assert probs_out.grad_fn is not None
     (probs_out * torch.arange(probs_out.numel())).sum().backward()
     assert torch.equal(probs.grad, dst_rows.view(3, 2).float())
+
+
+def test_an_op_with_a_formula_skips_its_function_where_no_gradient_is_needed():
+    """Without an input that requires grad, or under no_grad, the call goes straight to the op (no graph
+    node) and gives the reference's outputs."""
+    ids = torch.tensor([[0, 1], [1, 0], [1, 1]])
+    probs = torch.rand(3, 2, requires_grad=True)
+    with torch.no_grad():
+        no_grad = _route_pad_op(ids, 2, probs)
+    detached = _route_pad_op(ids, 2, probs.detach())
+    for out in (no_grad, detached):
+        assert out[0].grad_fn is None
+        for got, want in zip(out, route_pad_reference(ids, 2, probs.detach()), strict=True):
+            assert torch.equal(got, want)

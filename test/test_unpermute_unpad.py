@@ -181,9 +181,9 @@ def test_opcheck():
     y, src_rows, dst_rows, probs, top_k = _case(ROUTINGS[0], 128, torch.float32)
     y = y.nan_to_num(0.0)  # opcheck compares outputs without equal_nan
     grad_out = torch.randn(dst_rows.numel() // top_k, 128, device=DEVICE, dtype=torch.bfloat16)
-    y_req, probs_req = y.clone().requires_grad_(), probs.clone().requires_grad_()
-    torch.library.opcheck(torch.ops.fp8flow.unpermute_unpad.default, (y_req, dst_rows, top_k, probs_req))
-    torch.library.opcheck(torch.ops.fp8flow.unpermute_unpad.default, (y_req, dst_rows, top_k, None))
+    # The op carries no gradient (unpermute_unpad, the public function, does): inputs without requires_grad.
+    torch.library.opcheck(torch.ops.fp8flow.unpermute_unpad.default, (y, dst_rows, top_k, probs))
+    torch.library.opcheck(torch.ops.fp8flow.unpermute_unpad.default, (y, dst_rows, top_k, None))
     op = torch.ops.fp8flow.unpermute_unpad_backward.default
     torch.library.opcheck(op, (grad_out, y, src_rows, dst_rows, probs, top_k))
     torch.library.opcheck(op, (grad_out, None, src_rows, dst_rows, None, top_k))

@@ -7,14 +7,18 @@ Qwen-like shape (23 op calls per forward + backward), so :func:`define_op` makes
 inferred from the Python signature, default kernel, device kernel, fake, autograd formula -- with plain
 :class:`torch.library.Library` calls: the dispatcher calls the kernel directly.
 
-Only ops with a gradient formula get an autograd kernel (torch's Python one, as ``custom_op``'s). The
-others -- quantizers, GEMMs, transposes: FP8-Flow differentiates through them in its own autograd
-Functions -- get none, since that kernel alone is over half an op call's dispatch cost (CPU, torch
-2.13, hot loop, a trivial op: 6.8 us a call with it, 3.0 without; the Python of each call is 4-5x
-slower on the GPU machines' hosts). Their public functions refuse inputs that would need a gradient
-(:func:`fp8flow_ao._checks.check_no_grad`) with a clear error. Calling such an op through
-``torch.ops.fp8flow`` directly on inputs that require grad, with grad mode on, gets torch's own autograd
-fallback: it warns when a backward runs through the op and gives its inputs no gradient.
+No op gets an autograd kernel: torch's Python one (``custom_op``'s) is over half an op call's dispatch
+cost (CPU, torch 2.13, hot loop, a trivial op: 6.8 us a call with it, 3.0 without; the Python of each call is
+4-5x slower on the GPU machines' hosts), and it runs on every call, with grad mode off too -- inside the
+MoE layer's own autograd Function and its compiled graphs, where nothing is differentiated op by op.
+An op with a gradient formula (:meth:`LeanOp.register_autograd`: route_pad, permute_pad_rows,
+unpermute_unpad) keeps it in an autograd Function that the op's public function applies, through
+:meth:`LeanOp.__call__`, only where grad mode is on and an input requires grad. The others -- quantizers,
+GEMMs, transposes: FP8-Flow differentiates through them in its own autograd Functions -- have no formula;
+their public functions refuse inputs that would need a gradient (:func:`fp8flow_ao._checks.check_no_grad`)
+with a clear error. Calling any op through ``torch.ops.fp8flow`` directly on inputs that require grad,
+with grad mode on, gets torch's own autograd fallback: it warns when a backward runs through the op and
+gives its inputs no gradient; the public functions are the differentiable entry points.
 
 Mutated inputs get no version-counter bump here, so the one op that writes into an argument
 (``grouped_gemm_fp8_wgrad_accumulate``) stays a ``custom_op``.
@@ -40,6 +44,17 @@ class LeanOp:
         _LIB.define(name + torch.library.infer_schema(default, mutates_args=()))
         # The default kernel serves every device without its own (the CPU path), as in custom_op.
         _LIB.impl(name, default, "CompositeExplicitAutograd")
+        self._op = getattr(getattr(torch.ops, NAMESPACE), name).default
+        self._function: type[torch.autograd.Function] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        """Call the op: through its gradient formula's autograd Function where grad mode is on and a tensor
+        argument requires grad, else straight to the dispatcher (no autograd kernel on the way)."""
+        function = self._function
+        wants_grad = function is not None and torch.is_grad_enabled()
+        if wants_grad and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return function.apply(*args)
+        return self._op(*args)
 
     def register_kernel(self, device_type: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator: ``fn`` is the op's kernel on ``device_type`` (e.g. ``"cuda"``)."""
@@ -56,9 +71,17 @@ class LeanOp:
         return fn
 
     def register_autograd(self, backward: Callable[..., Any], *, setup_context: Callable[..., Any]) -> None:
-        """The op's gradient formula, as for :func:`torch.library.register_autograd` (ops without one
-        get no autograd kernel: see the module docstring)."""
-        torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=_LIB)
+        """The op's gradient formula, with :func:`torch.library.register_autograd`'s arguments (``setup_context(ctx,
+        inputs, output)``, ``backward(ctx, *grads)`` returning one gradient or ``None`` per input), applied by
+        :meth:`__call__` through an autograd Function, not as an autograd kernel of the op (module docstring)."""
+        op = self._op
+
+        def forward(*args: Any) -> Any:
+            return op(*args)
+
+        namespace = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context)}
+        namespace["backward"] = staticmethod(backward)
+        self._function = type(f"{self._name}_autograd", (torch.autograd.Function,), namespace)
 
 
 def define_op(name: str) -> Callable[[Callable[..., Any]], LeanOp]:

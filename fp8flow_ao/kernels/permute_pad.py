@@ -358,7 +358,7 @@ def route_pad(expert_indices: torch.Tensor, num_experts: int) -> tuple[torch.Ten
         non-decreasing multiples of 128. Within an expert, rows are in ``t*k + j`` order.
     """
     _check_expert_indices(expert_indices, num_experts)
-    _, src_rows, dst_rows, offsets = torch.ops.fp8flow.route_pad(expert_indices, num_experts, None)
+    _, src_rows, dst_rows, offsets = _route_pad_op(expert_indices, num_experts, None)
     return src_rows, dst_rows, offsets
 
 
@@ -720,7 +720,7 @@ def _rows_reference(
 
 
 def _register_permute_pad_rows(name: str):
-    """The gather as the custom op ``fp8flow::<name>``: reference on the CPU, Triton on CUDA, fake, autograd."""
+    """The gather as the custom op ``fp8flow::<name>``: reference on the CPU, Triton on CUDA, fake, gradient."""
     op = define_op(name)(_rows_reference)
     op.register_kernel("cuda")(launch_permute_pad_rows)
     op.register_fake(_permute_pad_rows_fake)
@@ -734,8 +734,9 @@ def _register_permute_pad_rows(name: str):
 # would save the permuted rows (k times the bytes, padding included) for backward. A call of the second
 # op is a different expression. (A view of the inputs does not do it: inductor removes no-op views
 # before the partitioner runs the elimination.)
-for _name in ("permute_pad_rows", "permute_pad_rows_recompute"):
-    _register_permute_pad_rows(_name)
+_permute_pad_rows_op, _permute_pad_rows_recompute_op = map(
+    _register_permute_pad_rows, ("permute_pad_rows", "permute_pad_rows_recompute")
+)
 
 
 def _check_rows_input(x: torch.Tensor, x_scale: torch.Tensor | None, quantize: bool = False) -> None:
@@ -821,7 +822,7 @@ def permute_pad_rows(
             raise ValueError("recompute=True gathers rows a forward gathered; it does not combine with quantize=True")
         data, scale, _, _ = torch.ops.fp8flow.quantize_permute_pad_rows(x, src_rows, top_k, dst_rows, False)
         return data, scale
-    op = torch.ops.fp8flow.permute_pad_rows_recompute if recompute else torch.ops.fp8flow.permute_pad_rows
+    op = _permute_pad_rows_recompute_op if recompute else _permute_pad_rows_op
     data, scale = op(x, x_scale, src_rows, top_k, dst_rows)
     return data, (scale if x_scale is not None else None)
 
@@ -850,15 +851,14 @@ class PermutePadResult(NamedTuple):
 
 def _permute_pad(x, x_scale, expert_indices, probs, num_experts, quantize, reference) -> PermutePadResult:
     """route_pad, then the row kernel (quantizing with ``quantize``): the ops, or their references."""
-    ops = torch.ops.fp8flow
-    route = route_pad_reference if reference else ops.route_pad
+    route = route_pad_reference if reference else _route_pad_op
     permuted_probs, src_rows, dst_rows, offsets = route(expert_indices, num_experts, probs)
     top_k, tokens = expert_indices.shape[1], ()
     if quantize:
-        rows = quantize_permute_pad_rows_reference if reference else ops.quantize_permute_pad_rows
+        rows = quantize_permute_pad_rows_reference if reference else torch.ops.fp8flow.quantize_permute_pad_rows
         data, scale, *tokens = rows(x, src_rows, top_k, dst_rows, True)
     else:
-        data, scale = (_rows_reference if reference else ops.permute_pad_rows)(x, x_scale, src_rows, top_k, dst_rows)
+        data, scale = (_rows_reference if reference else _permute_pad_rows_op)(x, x_scale, src_rows, top_k, dst_rows)
         scale = scale if x_scale is not None else None
     return PermutePadResult(
         data, scale, permuted_probs if probs is not None else None, src_rows, dst_rows, offsets, *tokens

@@ -375,7 +375,7 @@ def unpermute_unpad(
     check_same_device(y=y, dst_rows=dst_rows, probs=probs)
     if validation_enabled():
         validate_index_range("dst_rows", dst_rows, 0, y.shape[0])
-    return torch.ops.fp8flow.unpermute_unpad(y, dst_rows, top_k, probs)
+    return _unpermute_unpad_op(y, dst_rows, top_k, probs)
 
 
 def unpermute_unpad_backward(
