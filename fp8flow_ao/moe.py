@@ -5,9 +5,10 @@ combined output, with exactly two explicit BF16->FP8 casts per step (``x`` in fo
 backward; every other FP8 tensor comes out of a fused kernel)::
 
     forward   x -Q1+permute_pad-> x8 (data, scales, probs) -> FC1 (W13 = [w1; w3], 128x128)
-              -> h -> swiglu_quant (x prob) -> a8 -> FC2 (w2) -> y -> unpermute_unpad (sum over top-k)
+              -> h -> swiglu_quant (x prob; also a8's scaling-aware transpose, from the same kernel)
+              -> a8 -> FC2 (w2) -> y -> unpermute_unpad (sum over top-k)
     backward  dy -Q2+permute_pad_rows-> dy8 -> FC2 dgrad (exact FP8 w2^T) + FC2 wgrad
-              (scaling-aware transposes of dy8 and a8) -> swiglu_quant_backward (row- and column-wise
+              (scaling-aware transpose of dy8; a8's from forward) -> swiglu_quant_backward (row- and column-wise
               dh, grad of the permuted probs) -> FC1 dgrad (exact FP8 W13^T) + FC1 wgrad
               (scaling-aware transpose of x8 that gathers its rows itself: the permuted x8 is not
               written again) -> unpermute_unpad (sum over top-k) -> dx
@@ -32,7 +33,7 @@ backward into the exact FP8 transposes the dgrads need, the same bits as forward
 themselves where experts have few rows (``weight_cache.quantized_in_gemm``) -- since holding FP8
 copies of every layer's weights from forward to backward costs more memory than the activations;
 ``"forward"``/``"step"`` keep the forward's transposes instead, :mod:`fp8flow_ao.weight_cache`), and either ``h``
-(BF16 ``[M, 2H]``, which SwiGLU's backward needs exactly) + ``a8`` (FP8, FC2's wgrad operand), or,
+(BF16 ``[M, 2H]``, which SwiGLU's backward needs exactly) + ``a8`` column-wise (FP8, FC2's wgrad operand), or,
 with ``recompute_experts=True``, no FC1 output at all: FC1 and swiglu_quant run again in backward on
 the same FP8 operands, so the gradients are bit-identical to the stored path.
 
