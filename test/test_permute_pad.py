@@ -417,6 +417,22 @@ def test_backward_matches_fp64_autograd(top_k):
     torch.testing.assert_close(gp.double(), rp, rtol=0, atol=0)
 
 
+def test_double_backward():
+    """The gradient of the gather (unpermute_unpad of the output's gradient) is itself differentiable: a backward
+    with create_graph gives the second-order terms (here d(grad x)/d(w) = the gather of the upstream weights)."""
+    tokens, top_k, experts = 20, 2, 3
+    ids = make_routing("twice", tokens, top_k, experts, DEVICE)
+    x = torch.randn(tokens, 128, device=DEVICE, requires_grad=True)
+    src_rows, dst_rows, _ = route_pad(ids, experts)
+    data, _ = permute_pad_rows(x, None, src_rows, top_k, dst_rows=dst_rows)
+    w = torch.randn(data.shape, device=DEVICE, requires_grad=True)
+    (gx,) = torch.autograd.grad((data * w).sum(), x, create_graph=True)
+    assert gx.grad_fn is not None
+    v = torch.randn_like(gx)
+    (gw,) = torch.autograd.grad((gx * v).sum(), w)
+    torch.testing.assert_close(gw, permute_pad_rows_reference(v, None, src_rows, top_k)[0], rtol=0, atol=0)
+
+
 def test_compile_fullgraph():
     tokens, top_k, experts = 40, 4, 6
     x, x_scale = _random_rows(FP8_DTYPE, tokens, 256)

@@ -62,7 +62,7 @@ from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import col_block, nan_free_abs, pow2_scale_inv_and_scale
 
 # Importing it also registers fp8flow::unpermute_unpad, which is the backward of the gather here.
-from fp8flow_ao.kernels.unpermute_unpad import take_rows_or_zero
+from fp8flow_ao.kernels.unpermute_unpad import _unpermute_unpad_op, take_rows_or_zero
 
 _INPUT_DTYPES = (FP8_DTYPE, torch.bfloat16, torch.float16, torch.float32)
 _PROBS_DTYPES = (torch.float32, torch.bfloat16)
@@ -702,8 +702,9 @@ def _backward(ctx, grad_data: torch.Tensor, grad_scale: torch.Tensor):
         return None, None, None, None, None
     (src_rows,) = ctx.saved_tensors
     dst_rows = _dst_rows_from_src_rows(src_rows, ctx.num_src)
-    # grad_x[t] = sum_j grad_data[dst_rows[t*k + j]]: unpermute_unpad without probs.
-    grad_x = torch.ops.fp8flow.unpermute_unpad(grad_data.contiguous(), dst_rows, ctx.top_k, None)
+    # grad_x[t] = sum_j grad_data[dst_rows[t*k + j]]: unpermute_unpad without probs (itself differentiable,
+    # for a backward with create_graph).
+    grad_x = _unpermute_unpad_op(grad_data.contiguous(), dst_rows, ctx.top_k, None)
     return grad_x, None, None, None, None
 
 
