@@ -98,6 +98,12 @@ as FP8-Flow does, or stochastically, unbiased) and the forward's FP8 W13 tiles (
 Like ``"bf16_fc1_dgrad"`` they compile and work with every option but ``fsdp_fp8_all_gather``."""
 
 
+def _fp8_wgrads(backward: str) -> bool:
+    """Whether a backward computes the weight gradients in FP8 (every backward but the two ablations; ``"bf16"``
+    runs none of the FP8 backward): forward then keeps a8 column-wise, the wgrad's operand."""
+    return backward not in ABLATIONS
+
+
 def _expert_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: WeightOperand, offs: torch.Tensor) -> torch.Tensor:
     """One of the layer's grouped GEMMs, BF16 out: ``a @ B_e^T`` per group, ``B`` FP8 tiles or a weight the
     GEMM quantizes as it loads it (:class:`~fp8flow_ao.weight_cache.WeightOperand`)."""
@@ -172,7 +178,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         )
         # Kept for backward unless recomputed: h and, where the FC2 wgrad runs in FP8, a8 column-wise (the
         # same bytes as a8, which FC2 then no longer needs).
-        keep_a_t = not recompute and backward not in ABLATIONS
+        keep_a_t = not recompute and _fp8_wgrads(backward)
         h, a_data, a_scale, *a_t = _fc1_swiglu(
             routed.data, routed.scale_inv, qw.fc1(), routed.probs, offs, score_before, keep_a_t
         )
@@ -251,7 +257,7 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
     weight gradients in the weights' dtypes."""
     rows_k, plan = ctx.rows_k, ctx.plan
     w1_dtype, w2_dtype = ctx.dtypes[2:4]
-    fp8_wgrads = ctx.backward != "bf16_wgrad"  # that ablation computes the weight gradients in BF16 instead
+    fp8_wgrads = _fp8_wgrads(ctx.backward)  # "bf16_wgrad" computes them in BF16 instead
     # The weights' exact transposes for the dgrads (and W13 itself when recomputing FC1): kept from
     # forward, or quantized again from the same weights (the same bits), each right before its dgrad
     # and dropped after it, so no FP8 weight copy is alive while the weight gradients are written.

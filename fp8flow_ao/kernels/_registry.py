@@ -79,8 +79,8 @@ class LeanOp:
         def forward(*args: Any) -> Any:
             return op(*args)
 
-        namespace = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context)}
-        namespace["backward"] = staticmethod(backward)
+        methods = {"forward": forward, "setup_context": setup_context, "backward": backward}
+        namespace = {name: staticmethod(fn) for name, fn in methods.items()}
         self._function = type(f"{self._name}_autograd", (torch.autograd.Function,), namespace)
 
 
