@@ -144,10 +144,11 @@ def test_sm90_accumulate_is_exact_on_a_large_grid(config, out_dtype):
 @pytest.mark.hopper
 @pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
 def test_sm90_tiles_from_the_counter_under_heavy_skew(accumulate):
-    """The sm90 kernel's programs take their tiles from a per-launch counter: with far more tiles than
+    """The sm90 kernel's programs take their tiles from the stream's counter: with far more tiles than
     programs and tiles of very different lengths (one expert 32x another's token blocks, empty experts
     first, between and last), every tile is computed once -- the result matches the reference, empty
-    experts stay untouched -- and launches back to back (each with its own counter) give the same bits."""
+    experts stay untouched -- and launches back to back (the counter left at zero by each) give the same
+    bits."""
     counts = [0, 4096, 128, 0, 1280, 200, 128, 0, 640, 0]
     args = make_operands(counts, 2048, 1024)
     existing = torch.randn(len(counts), 2048, 1024, device=DEVICE).to(torch.bfloat16)
@@ -163,6 +164,41 @@ def test_sm90_tiles_from_the_counter_under_heavy_skew(accumulate):
         assert torch.equal(runs[0], (existing.float() + fresh).to(torch.bfloat16))
     else:
         check(runs[0], *args, torch.bfloat16, counts)
+
+
+@pytest.mark.hopper
+def test_sm90_stream_counter_is_left_at_zero_and_graphs_take_their_own():
+    """The tile counter is one tensor per stream, kept across launches: every launch (of any size, with
+    fewer or more tiles than SMs) leaves it at zero, another stream gets its own, and a launch captured
+    in a CUDA graph uses a fresh one, so replays match an eager launch bit for bit."""
+    from fp8flow_ao.kernels._launch import stream_tile_counter
+
+    device = torch.device(DEVICE)
+    counter = stream_tile_counter(device)
+    skewed = ([0, 4096, 128, 0, 1280], 1024, 1024)  # 160 tiles of 128x256: more than an H100/H200 has SMs
+    for counts, n, k in (([256], 256, 256), skewed, ([256, 0, 128], 512, 512)):
+        args = make_operands(counts, n, k)
+        out = launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.bfloat16)
+        assert stream_tile_counter(device) is counter
+        assert int(counter.item()) == 0
+        check(out, *args, torch.bfloat16, counts)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert stream_tile_counter(device) is not counter
+    args = make_operands(*skewed)
+    eager = launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.bfloat16)
+    with torch.cuda.stream(side):  # capture off the default stream, as torch.cuda.graph does
+        launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.bfloat16)  # warm-up: compiled before capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.bfloat16)
+    for _ in range(2):
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+    assert int(counter.item()) == 0
 
 
 @pytest.mark.parametrize(("n", "n_chunks"), [(256, 2), (384, 3)])

@@ -31,6 +31,7 @@ this module calls (checked at each first launch of a key). Changing Triton knobs
 
 from __future__ import annotations
 
+import threading
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -147,6 +148,38 @@ def _with_tma_maps(args: Sequence[Any], encodings: tuple[tuple[Any, ...], ...], 
         else:
             flat.append(a)
     return flat
+
+
+# (device index, raw stream) -> int32 [1] at zero between launches: see stream_tile_counter.
+_TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def stream_tile_counter(device: torch.device) -> torch.Tensor:
+    """An int32 ``[1]`` tile counter at zero for a kernel launched next on ``device``'s current stream, which
+    must leave it at zero when it ends (the sm90 wgrad's programs take tiles from it: an atomic add each,
+    and the last taker zeroes it). One per stream, kept across launches: no allocation and no zeroing
+    launch per call. Launches on one stream run in order, so each sees its predecessor's zero; other
+    streams get their own. While a CUDA graph is being captured, a fresh zeroed tensor: the graph's
+    replays may run on any stream, next to other users of a shared counter."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else _current_device()
+    key = (index, _raw_stream(index))
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = _new_counter(torch.device("cuda", index))
+    return counter
+
+
+def _new_counter(device: torch.device) -> torch.Tensor:
+    """An int32 ``[1]`` allocated by a thread of its own, zeroed on the current stream. Not by this thread:
+    torch.compile's CUDA graph trees send every allocation of the thread that warms a graph up to their
+    private pool, and refuse a tensor alive there that no graph output accounts for."""
+    allocated = []
+    thread = threading.Thread(target=lambda: allocated.append(torch.empty(1, dtype=torch.int32, device=device)))
+    thread.start()
+    thread.join()
+    return allocated[0].zero_()
 
 
 def cdiv(a: int, b: int) -> int:

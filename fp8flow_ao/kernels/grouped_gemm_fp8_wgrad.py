@@ -15,8 +15,9 @@ Two kernels share one contract; both walk (expert, N tile, K tile) output tiles 
 grid, each tile reading its expert's rows from the group end offsets on the device (no host sync).
 An empty expert runs no block and stores zeros. A tile's time is its expert's token count, so under
 skewed routing a fixed round-robin split of the tiles leaves some SMs with the long ones: the sm90
-kernel's programs take their next tile from a per-launch counter instead (an atomic add by the producer
-warp, handed to the consumers through shared memory), in the same order. H200, same inputs, same bits
+kernel's programs take their next tile from a counter instead (an atomic add by the producer warp, handed
+to the consumers through shared memory), in the same order; one counter per stream, which each launch
+leaves at zero for the next. H200, same inputs, same bits
 (``grouped_gemm_notes.md``, session 38): 0.81-0.99x the time under Zipf-like routing (Qwen3-like FC2
 0.81x, FC1 0.91x; DeepSeek-like 0.95-0.97x), 0.87-0.90x at 128 tokens per expert; 1.01-1.02x on balanced
 groups of 512-2048 tokens, where every tile costs the same and the fixed split kept the SMs in step.
@@ -80,7 +81,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     set_tma_workspace_allocator,
     sm_count,
 )
-from fp8flow_ao.kernels._launch import cdiv, launch_kernel
+from fp8flow_ao.kernels._launch import cdiv, launch_kernel, stream_tile_counter
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._sm90_common import (
     SM90_BLOCK,
@@ -428,6 +429,11 @@ def _wgrad_producer(GROUP_M: gl.constexpr, descs, ring, problem, queue, next_til
         j += 1
         tile = next_tile
     _push_tile(queue, j, tile)
+    # Every program's last fetch is past the end, so the launch's fetches return 0 .. tiles + programs - 1,
+    # each once. The program that got the last one knows no fetch follows: it leaves the counter at 0 for
+    # the next launch on the stream (``stream_tile_counter``: no zeroing launch, no allocation a call).
+    if tile == tiles + gl.num_programs(0) - 1:
+        gl.atomic_xchg(next_tile_ptr, 0, sem="relaxed")
 
 
 @gluon.jit
@@ -586,7 +592,7 @@ def _grouped_gemm_fp8_wgrad_sm90_kernel(
     ``OUT_BUFFERS``: output staging buffers per consumer (2: one per half of a 128x256 tile, so a half's
     store never waits for the other half's, and with ``ACCUMULATE`` both halves' stored values load
     under the reduction). ``next_tile_ptr``: int32 ``[1]``, zero at launch: the tile counter every program
-    takes its tiles from (see :func:`_wgrad_producer`).
+    takes its tiles from (see :func:`_wgrad_producer`), zero again when the launch ends.
     """
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -648,8 +654,8 @@ def launch_grouped_gemm_fp8_wgrad_sm90(
         descriptor(b_t_scale.view(-1), (config.block_n,)),
         descriptor(out.view(e * n, k), (64, BLOCK)),
         group_end_offsets,
-        # The tile counter the programs take their tiles from (see _wgrad_producer); zeroed per launch.
-        torch.zeros(1, dtype=torch.int32, device=a_t.device),
+        # The tile counter the programs take their tiles from (see _wgrad_producer), at 0 and left at 0.
+        stream_tile_counter(a_t.device),
         m,
         n,
         k,
