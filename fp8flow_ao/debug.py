@@ -45,8 +45,11 @@ class FP8FlowOpCounter(TorchDispatchMode):
 
     @property
     def weight_quantizations(self) -> int:
-        """Weight orientations made FP8: ``quantize_128x128`` calls plus GEMMs that quantize their weight."""
-        return self.counts["quantize_128x128"] + self.counts[QUANTIZING_GEMMS]
+        """Weights made FP8 (in one or both orientations): one per ``quantize_128x128`` call, two per
+        ``quantize_128x128_pair`` call, one per GEMM that quantizes its weight."""
+        return (
+            self.counts["quantize_128x128"] + 2 * self.counts["quantize_128x128_pair"] + self.counts[QUANTIZING_GEMMS]
+        )
 
     @property
     def activation_casts(self) -> int:

@@ -88,7 +88,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import quantize_in_gemm_pays
-from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
+from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128, quantize_128x128_pair
 
 WEIGHT_CACHE_MODES = ("off", "forward", "step")
 
@@ -190,7 +190,8 @@ def quantize_expert_weights(
     with_w2_t: bool,
     out: ExpertWeightsFP8 | None = None,
 ) -> ExpertWeightsFP8:
-    """Quantize ``W13 = [w1; w3]`` (one pass, one buffer: no FP8 concatenation) and ``w2``.
+    """Quantize ``W13 = [w1; w3]`` (one pass, one buffer: no FP8 concatenation) and ``w2`` (in the same
+    launch where both are asked for the same orientations and no ``out`` is given).
 
     ``w1``, ``w3`` ``[E, H, D]``, ``w2`` ``[E, D, H]``, bf16/fp32. ``with_w13``/``with_w2`` ask for the
     forward orientations, ``with_w13_t``/``with_w2_t`` for the transposes (a weight's two orientations
@@ -211,6 +212,12 @@ def quantize_expert_weights(
                 "out is not supported for FP8 all-gathered weights (their tiles are joined, not quantized)"
             )
         return _from_tiles(w1, w2, w3, with_w13, with_w2, with_w13_t, with_w2_t)
+    if out is None and (with_w13, with_w13_t) == (with_w2, with_w2_t) != (False, False) and w2.dtype == w1.dtype:
+        # Both weights with the same orientations (the forward's): one call, one launch.
+        w13, w2_q = quantize_128x128_pair(
+            w1.contiguous(), w2.contiguous(), with_w13_t, with_w13, w_tail=w3.contiguous()
+        )
+        return ExpertWeightsFP8(*w13, *w2_q)
     none = (None,) * 4
     out13, out2 = (None, None) if out is None else (tuple(out[:4]), tuple(out[4:]))
     w13 = (

@@ -262,8 +262,12 @@ def test_weights_quantized_in_the_gemms_or_before_give_the_same_bits(runs, routi
     for key in ("out", "x", *PARAMS):
         assert torch.equal(ours[key], run[recompute][key]), key
     in_gemm = weight_quantization == "in_gemm"
-    assert counter.counts["quantize_128x128"] == (0 if in_gemm else 4)
+    assert counter.weight_quantizations == (4 + recompute if in_gemm else 4)
     assert counter.counts[QUANTIZING_GEMMS] == (4 + recompute if in_gemm else 0)
+    # separate: the forward's W13 and w2 in one launch, backward's transposes one launch each
+    assert (counter.counts["quantize_128x128_pair"], counter.counts["quantize_128x128"]) == (
+        (0, 0) if in_gemm else (1, 2)
+    )
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])

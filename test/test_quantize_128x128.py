@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE
-from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows
+from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows, run_build_script
 
 from fp8flow_ao._format import FP8_MAX
 from fp8flow_ao.kernels.quantize_128x128 import (
     launch_quantize_128x128,
+    launch_quantize_128x128_pair,
     quantize_128x128,
     quantize_128x128_configs,
+    quantize_128x128_pair,
     quantize_128x128_reference,
 )
 
@@ -251,3 +253,118 @@ def test_tail_bad_input(tail, error, match):
 def test_nothing_requested_is_an_error():
     with pytest.raises(ValueError, match="nothing to compute"):
         quantize_128x128(torch.zeros(128, 128), with_transpose=False, with_data=False)
+
+
+# (w shape, w_tail shape or None, second shape): the MoE forward's W13 = [w1; w3] and w2, 2-D weights,
+# an empty first or second weight (no tiles on that side of the launch), fewer tiles second than first
+PAIR_SHAPES = [
+    ((2, 128, 256), (2, 128, 256), (2, 256, 128)),
+    ((256, 384), None, (128, 128)),
+    ((0, 128, 256), (0, 128, 256), (3, 256, 128)),
+    ((3, 256, 128), None, (0, 128, 128)),
+]
+
+
+@pytest.mark.parametrize(("shape", "tail_shape", "second_shape"), PAIR_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("with_data", "with_transpose"), [(True, True), (True, False), (False, True)])
+def test_pair_equals_two_calls(shape, tail_shape, second_shape, dtype, with_data, with_transpose):
+    """Two weights in one launch: each weight's outputs are, bit for bit, those of its own call."""
+    w, second = _weights(shape, dtype), _weights(second_shape, dtype).flip(-1)
+    tail = None if tail_shape is None else _weights(tail_shape, dtype).flip(-2)
+    expected = (
+        quantize_128x128_reference(w.cpu(), with_transpose, with_data, None if tail is None else tail.cpu()),
+        quantize_128x128_reference(second.cpu(), with_transpose, with_data),
+    )
+    launched = launch_quantize_128x128_pair(w, second, with_transpose, with_data, w_tail=tail)
+    _assert_outputs_equal(launched[:4], expected[0])
+    _assert_outputs_equal(launched[4:], expected[1])
+    asked = (with_data, with_data, with_transpose, with_transpose)
+    public = quantize_128x128_pair(w, second, with_transpose, with_data, w_tail=tail)
+    for outs, ref in zip(public, expected, strict=True):
+        assert [a is not None for a in outs] == list(asked)
+        for a, e, want in zip(outs, ref, asked, strict=True):
+            if want:
+                (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e)
+
+
+@pytest.mark.parametrize("config", quantize_128x128_configs(), ids=lambda c: f"warps{c.num_warps}-maxnreg{c.maxnreg}")
+def test_pair_every_launch_config(config):
+    w, tail, second = (_weights(s, torch.bfloat16) for s in ((2, 128, 256), (2, 256, 256), (2, 256, 128)))
+    launched = launch_quantize_128x128_pair(w, second, w_tail=tail, config=config)
+    _assert_outputs_equal(launched[:4], quantize_128x128_reference(w.cpu(), w_tail=tail.cpu()))
+    _assert_outputs_equal(launched[4:], quantize_128x128_reference(second.cpu()))
+
+
+@pytest.mark.gpu
+def test_deepseek_w13_and_w2_in_one_launch_on_gpu():
+    """The DeepSeek-like layer's forward weights (H=2048, D=7168; two experts): W13 and w2 in one launch."""
+    w1, w3 = _weights((2, 2048, 7168), torch.bfloat16), _weights((2, 2048, 7168), torch.bfloat16).flip(-2)
+    w2 = _weights((2, 7168, 2048), torch.bfloat16).flip(-1)
+    launched = launch_quantize_128x128_pair(w1, w2, with_transpose=False, w_tail=w3)
+    _assert_outputs_equal(launched[:4], quantize_128x128_reference(torch.cat([w1, w3], dim=1).cpu(), False))
+    _assert_outputs_equal(launched[4:], quantize_128x128_reference(w2.cpu(), False))
+
+
+def test_pair_compiles_and_passes_opcheck():
+    w, tail, second = (_weights(s, torch.bfloat16) for s in ((2, 128, 256), (2, 256, 256), (256, 128)))
+    op = torch.ops.fp8flow.quantize_128x128_pair.default
+    for with_transpose in (True, False):
+        torch.library.opcheck(op, (w, tail, second, with_transpose, True))
+    torch.library.opcheck(op, (w, None, second, True, False))
+    eager = quantize_128x128_pair(w, second, w_tail=tail)
+    compiled = torch.compile(quantize_128x128_pair, fullgraph=True)(w, second, w_tail=tail)
+    assert compiled[0][0].shape == (2, 384, 256) and compiled[1][2].shape == (128, 256)
+    for a, e in zip((*compiled[0], *compiled[1]), (*eager[0], *eager[1]), strict=True):
+        (assert_fp8_equal if e.dtype != torch.float32 else assert_scales_equal)(a, e)
+
+
+@pytest.mark.parametrize(
+    ("second", "error", "match"),
+    [
+        (torch.zeros(128, 128, dtype=torch.int32), TypeError, "second must have dtype"),
+        (torch.zeros(128, 128, dtype=torch.bfloat16), TypeError, "second must have dtype"),  # w's is fp32
+        (torch.zeros(2, 100, 128), ValueError, r"second dim N \(-2\) must be a multiple of 128"),
+        (torch.zeros(256, 128).t(), ValueError, "second must be contiguous"),
+        (torch.zeros(1, 1, 128, 128), ValueError, "second must have 2 or 3 dims"),
+        (torch.zeros(128, 128, device="meta"), ValueError, "share one device"),
+        (torch.zeros(128, 128, requires_grad=True), RuntimeError, "quantize_128x128_pair"),
+    ],
+)
+def test_pair_bad_input(second, error, match):
+    with pytest.raises(error, match=match):
+        quantize_128x128_pair(torch.zeros(2, 128, 256), second)
+    with pytest.raises(ValueError, match="nothing to compute"):
+        quantize_128x128_pair(torch.zeros(128, 128), torch.zeros(128, 128), with_transpose=False, with_data=False)
+
+
+_BUILD = """
+from fp8flow_ao.kernels._sm90_common import compile_for_sm90
+from fp8flow_ao.kernels import quantize_128x128 as mod
+
+def build(item):
+    dtype, pair, with_data, with_transpose = item
+    part = {"w_ptr": dtype, "tail_ptr": dtype, "data_ptr": "*fp8e4nv", "scale_inv_ptr": "*fp32",
+            "data_t_ptr": "*fp8e4nv", "scale_inv_t_ptr": "*fp32", "N": "i32", "N_HEAD": "i32", "K": "i32"}
+    second = dict(zip(("second_ptr", "second_tail_ptr", "data2_ptr", "scale_inv2_ptr", "data_t2_ptr",
+                       "scale_inv_t2_ptr", "N2", "N2_HEAD", "K2"), part.values()))
+    constexprs = dict(WITH_DATA=with_data, WITH_TRANSPOSE=with_transpose, PAIR=pair, TILE=128)
+    signature = {**part, **second, "TILES_FIRST": "i32", **dict.fromkeys(constexprs, "constexpr")}
+    config = mod.default_config(with_transpose)
+    built = compile_for_sm90(mod._quantize_128x128_kernel, signature, constexprs, num_warps=config.num_warps,
+                             aligned=(*(k for k in signature if k.endswith("_ptr")),), maxnreg=config.maxnreg)
+    return [list(item), local_memory_instructions(built.asm["cubin"])]
+
+# the launches' forms: bf16 one pass (either orientation set), fp32 one orientation a pass (_passes)
+items = [("*bf16", p, True, t) for p in (False, True) for t in (False, True)]
+items += [("*fp32", True, d, not d) for d in (True, False)] + [("*bf16", False, False, True)]
+print(json.dumps(parallel_map(build, items)))
+"""
+
+
+def test_kernel_builds_for_sm90():
+    """The interpreter runs the kernel without compiling it: build the forms launches take for sm_90a (one
+    weight or a pair; bf16 writing the forward tiles, both orientations, or the transposes only; fp32 one
+    orientation a pass) with their launch configs."""
+    built = run_build_script(_BUILD)
+    assert len(built) == 7, built

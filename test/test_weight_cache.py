@@ -242,7 +242,8 @@ def test_modes_are_bit_identical_and_quantize_as_promised(recompute, weight_quan
                 )
                 for _ in range(2)
             ]
-        counts[mode] = (counter.counts["quantize_128x128"], counter.counts[QUANTIZING_GEMMS])
+        gemms = counter.counts[QUANTIZING_GEMMS]
+        counts[mode] = (counter.weight_quantizations - gemms, gemms)  # weights by quantize_128x128(_pair), by GEMMs
         _assert_identical(results[mode][0], results["off"][0])
         _assert_identical(results[mode][1], results["off"][0])
     # per micro-batch: "off" W13 + w2 in forward and again in backward, or (few rows per expert) each of the
@@ -287,7 +288,8 @@ def test_step_cache_follows_weight_updates_between_micro_batches(monkeypatch, co
         with FP8FlowOpCounter() as counter:
             both_agree()
             both_agree()  # micro-batch 2 reuses the weights
-        assert counter.counts["quantize_128x128"] == 2 + 2 * 4
+        assert counter.weight_quantizations == 2 + 2 * 4
+        assert counter.counts["quantize_128x128_pair"] == 1 + 2  # each forward's W13 and w2 in one launch
     else:
         both_agree()
         both_agree()

@@ -84,20 +84,40 @@ def _quantize_128x128_kernel(
     N,
     N_HEAD,
     K,
+    second_ptr,
+    second_tail_ptr,
+    data2_ptr,
+    scale_inv2_ptr,
+    data_t2_ptr,
+    scale_inv_t2_ptr,
+    N2,
+    N2_HEAD,
+    K2,
+    TILES_FIRST,
     WITH_DATA: tl.constexpr,
     WITH_TRANSPOSE: tl.constexpr,
+    PAIR: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    """One program: tile (``pid_n``, ``pid_k``) of expert ``e``; the K tile index varies fastest so
-    neighbouring programs read neighbouring tiles of the same rows. Rows ``[0, N_HEAD)`` of the
-    ``N`` output rows come from ``w_ptr`` ``[E, N_HEAD, K]``, the rest from ``tail_ptr``
-    ``[E, N - N_HEAD, K]`` (``N_HEAD == N``: no tail)."""
-    pid = tl.program_id(0)
+    """One program per 128 x 128 tile: of the first weight for programs below ``TILES_FIRST`` and, with
+    ``PAIR``, of the second one (its own shape, tail and outputs) above it -- two weights in one launch.
+    Without ``PAIR`` the second weight's arguments are unused. Tile (``pid_n``, ``pid_k``) of expert ``e``,
+    the K tile index varying fastest so neighbouring programs read neighbouring tiles of the same rows. Rows
+    ``[0, N_HEAD)`` of a weight's ``N`` output rows come from ``w_ptr`` ``[E, N_HEAD, K]``, the rest from
+    ``tail_ptr`` ``[E, N - N_HEAD, K]`` (``N_HEAD == N``: no tail)."""
+    tile = tl.program_id(0)
+    # Only the scalars are chosen per weight: one tile body, the registers of the single-weight kernel (two
+    # inlined bodies spilled 1.5x as many instructions). Nested: the outer test is decided at compile time.
+    if PAIR:  # noqa: SIM102
+        if tile >= TILES_FIRST:
+            tile, N, N_HEAD, K = tile - TILES_FIRST, N2, N2_HEAD, K2
+            w_ptr, tail_ptr, data_ptr, scale_inv_ptr = second_ptr, second_tail_ptr, data2_ptr, scale_inv2_ptr
+            data_t_ptr, scale_inv_t_ptr = data_t2_ptr, scale_inv_t2_ptr
     tiles_n = N // TILE
     tiles_k = K // TILE
-    pid_k = pid % tiles_k
-    pid_n = (pid // tiles_k) % tiles_n
-    e = (pid // (tiles_k * tiles_n)).to(tl.int64)
+    pid_k = tile % tiles_k
+    pid_n = (tile // tiles_k) % tiles_n
+    e = (tile // (tiles_k * tiles_n)).to(tl.int64)
     rows = (pid_n * TILE + tl.arange(0, TILE)).to(tl.int64)
     cols = (pid_k * TILE + tl.arange(0, TILE)).to(tl.int64)
     base = e * N * K
@@ -159,14 +179,34 @@ def launch_quantize_128x128(
     ``config=None``: each pass takes :func:`default_config`; tests pass each config to prove they agree.
     ``out``: the four outputs to write into, as :func:`_allocate` makes them (unchecked: the caller checks).
     """
-    shape = _joined_shape(w, w_tail)
-    n_head, (n, k) = w.shape[-2], shape[-2:]
-    data, scale_inv, data_t, scale_inv_t = out or _allocate(w, with_transpose, with_data, w_tail)
-    num_tiles = math.prod(shape) // (BLOCK * BLOCK)
-    if num_tiles == 0:
-        return data, scale_inv, data_t, scale_inv_t
+    outs = out or _allocate(w, with_transpose, with_data, w_tail)
+    _launch(((w, w_tail, outs),), with_transpose, with_data, config)
+    return outs
+
+
+def launch_quantize_128x128_pair(
+    w: torch.Tensor,
+    second: torch.Tensor,
+    with_transpose: bool = True,
+    with_data: bool = True,
+    w_tail: torch.Tensor | None = None,
+    config: triton.Config | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Triton launcher of :func:`quantize_128x128_pair`: both weights' eight outputs (``w``'s four, then
+    ``second``'s), written by one launch. ``config`` as in :func:`launch_quantize_128x128`."""
+    outs = _allocate(w, with_transpose, with_data, w_tail), _allocate(second, with_transpose, with_data)
+    _launch(((w, w_tail, outs[0]), (second, None, outs[1])), with_transpose, with_data, config)
+    return (*outs[0], *outs[1])
+
+
+def _weight_args(
+    w: torch.Tensor, w_tail: torch.Tensor | None, outs: tuple[torch.Tensor, ...], with_transpose: bool, with_data: bool
+) -> tuple:
+    """One weight's nine kernel arguments (input, tail, four outputs, N, N_HEAD, K)."""
+    data, scale_inv, data_t, scale_inv_t = outs
+    n, k = _joined_shape(w, w_tail)[-2:]
     # An output not asked for is never touched: any pointer of the right dtype stands in for it.
-    args = (
+    return (
         w,
         w if w_tail is None else w_tail,  # without a tail the branch that reads it is never taken
         data if with_data else data_t,
@@ -174,31 +214,50 @@ def launch_quantize_128x128(
         data_t if with_transpose else data,
         scale_inv_t if with_transpose else scale_inv,
         n,
-        n_head,
+        w.shape[-2],
         k,
     )
-    for flags in _passes(w.dtype, with_data, with_transpose):
+
+
+def _launch(
+    weights: tuple[tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]], ...],
+    with_transpose: bool,
+    with_data: bool,
+    config: triton.Config | None,
+) -> None:
+    """Quantize one or two ``(w, w_tail, outs)`` in one launch per pass: a program per tile, the first
+    weight's tiles first."""
+    tiles = [math.prod(_joined_shape(w, w_tail)) // (BLOCK * BLOCK) for w, w_tail, _ in weights]
+    if sum(tiles) == 0:
+        return
+    args = [a for weight in weights for a in _weight_args(*weight, with_transpose, with_data)]
+    pair = len(weights) == 2
+    if not pair:
+        args += args  # the second weight's slots, unused without PAIR
+    fp32 = any(w.dtype == torch.float32 for w, _, _ in weights)
+    for flags in _passes(fp32, with_data, with_transpose):
         c = config or default_config(flags["WITH_TRANSPOSE"])
         launch_kernel(
             _quantize_128x128_kernel,
-            (num_tiles,),
+            (sum(tiles),),
             *args,
+            tiles[0],
             **flags,
+            PAIR=pair,
             TILE=BLOCK,
             num_warps=c.num_warps,
             maxnreg=c.maxnreg,
         )
-    return data, scale_inv, data_t, scale_inv_t
 
 
-def _passes(dtype: torch.dtype, with_data: bool, with_transpose: bool) -> list[dict[str, bool]]:
+def _passes(fp32: bool, with_data: bool, with_transpose: bool) -> list[dict[str, bool]]:
     """The kernel launches that write the asked-for orientations: one pass, except fp32 weights asking
     for both. Triton 3.6 on sm_90 miscompiles that case: the transposed copy came out wrong in every
     launch config while each orientation alone is right (fp32 parameters under torchtitan's one-GPU
     mixed precision, NaN gradients with ``recompute_experts``; seen on an H200). Two passes read the
     fp32 tile twice (measured 1.7-1.8x the one-pass time at the fp8flow_gpu and DeepSeek-V3 shapes)
     but are exact; bf16/fp16 weights keep the single pass."""
-    if dtype == torch.float32 and with_data and with_transpose:
+    if fp32 and with_data and with_transpose:
         return [{"WITH_DATA": True, "WITH_TRANSPOSE": False}, {"WITH_DATA": False, "WITH_TRANSPOSE": True}]
     return [{"WITH_DATA": with_data, "WITH_TRANSPOSE": with_transpose}]
 
@@ -281,6 +340,34 @@ def _write_into(
             t.copy_(fresh)
 
 
+def _check_weight(name: str, w: torch.Tensor) -> None:
+    check_tensor(name, w, dtypes=_INPUT_DTYPES, ndim=(2, 3))
+    check_contiguous(name, w)
+    check_multiple(name, w.shape[-2], what="dim N (-2)")
+    check_multiple(name, w.shape[-1], what="dim K (-1)")
+
+
+def _check_args(op: str, w: torch.Tensor, with_transpose: bool, with_data: bool, w_tail: torch.Tensor | None) -> None:
+    """What :func:`quantize_128x128` needs of its arguments (``out`` aside)."""
+    _check_weight("w", w)
+    for name, flag in (("with_transpose", with_transpose), ("with_data", with_data)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if not (with_data or with_transpose):
+        raise ValueError("with_data and with_transpose are both False: nothing to compute")
+    if w_tail is not None:
+        check_tensor("w_tail", w_tail, dtypes=w.dtype, ndim=w.dim())
+        check_contiguous("w_tail", w_tail)
+        check_same_device(w=w, w_tail=w_tail)
+        if w_tail.shape[:-2] != w.shape[:-2] or w_tail.shape[-1] != w.shape[-1]:
+            raise ValueError(
+                f"w_tail must match w [..., N, K] in every dim but N (-2): w {tuple(w.shape)}, "
+                f"w_tail {tuple(w_tail.shape)}"
+            )
+        check_multiple("w_tail", w_tail.shape[-2], what="dim N (-2)")
+    check_no_grad(op, w, w_tail)
+
+
 def quantize_128x128(
     w: torch.Tensor,
     with_transpose: bool = True,
@@ -320,29 +407,69 @@ def quantize_128x128(
           ``with_transpose``.
         * ``scale_inv_t`` fp32 ``[E, K/128, N/128]``: ``scale_inv[e].T``; ``None`` unless ``with_transpose``.
     """
-    check_tensor("w", w, dtypes=_INPUT_DTYPES, ndim=(2, 3))
-    check_contiguous("w", w)
-    check_multiple("w", w.shape[-2], what="dim N (-2)")
-    check_multiple("w", w.shape[-1], what="dim K (-1)")
-    for name, flag in (("with_transpose", with_transpose), ("with_data", with_data)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if not (with_data or with_transpose):
-        raise ValueError("with_data and with_transpose are both False: nothing to compute")
-    if w_tail is not None:
-        check_tensor("w_tail", w_tail, dtypes=w.dtype, ndim=w.dim())
-        check_contiguous("w_tail", w_tail)
-        check_same_device(w=w, w_tail=w_tail)
-        if w_tail.shape[:-2] != w.shape[:-2] or w_tail.shape[-1] != w.shape[-1]:
-            raise ValueError(
-                f"w_tail must match w [..., N, K] in every dim but N (-2): w {tuple(w.shape)}, "
-                f"w_tail {tuple(w_tail.shape)}"
-            )
-        check_multiple("w_tail", w_tail.shape[-2], what="dim N (-2)")
-    check_no_grad("quantize_128x128", w, w_tail)
+    _check_args("quantize_128x128", w, with_transpose, with_data, w_tail)
     if out is not None:
         _write_into(_check_out(out, w, with_transpose, with_data, w_tail), w, with_transpose, with_data, w_tail)
         return out
-    data, scale_inv, data_t, scale_inv_t = torch.ops.fp8flow.quantize_128x128(w, with_transpose, with_data, w_tail)
+    return _as_asked(
+        torch.ops.fp8flow.quantize_128x128(w, with_transpose, with_data, w_tail), with_transpose, with_data
+    )
+
+
+def _as_asked(
+    outs: tuple[torch.Tensor, ...], with_transpose: bool, with_data: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The op's four outputs with ``None`` for an orientation not asked for (the op returns empty stand-ins)."""
+    data, scale_inv, data_t, scale_inv_t = outs
     forward = (data, scale_inv) if with_data else (None, None)
     return (*forward, *((data_t, scale_inv_t) if with_transpose else (None, None)))
+
+
+@define_op("quantize_128x128_pair")
+def _quantize_128x128_pair_op(
+    w: torch.Tensor, w_tail: torch.Tensor | None, second: torch.Tensor, with_transpose: bool, with_data: bool
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    return (
+        *quantize_128x128_reference(w, with_transpose, with_data, w_tail),
+        *quantize_128x128_reference(second, with_transpose, with_data),
+    )
+
+
+@_quantize_128x128_pair_op.register_kernel("cuda")
+def _(
+    w: torch.Tensor, w_tail: torch.Tensor | None, second: torch.Tensor, with_transpose: bool, with_data: bool
+) -> tuple[torch.Tensor, ...]:
+    return launch_quantize_128x128_pair(w, second, with_transpose, with_data, w_tail)
+
+
+@_quantize_128x128_pair_op.register_fake
+def _(
+    w: torch.Tensor, w_tail: torch.Tensor | None, second: torch.Tensor, with_transpose: bool, with_data: bool
+) -> tuple[torch.Tensor, ...]:
+    return (*_allocate(w, with_transpose, with_data, w_tail), *_allocate(second, with_transpose, with_data))
+
+
+def quantize_128x128_pair(
+    w: torch.Tensor,
+    second: torch.Tensor,
+    with_transpose: bool = True,
+    with_data: bool = True,
+    w_tail: torch.Tensor | None = None,
+) -> tuple[tuple[torch.Tensor | None, ...], tuple[torch.Tensor | None, ...]]:
+    """Two weights quantized by one launch: ``(quantize_128x128(w, with_transpose, with_data, w_tail),
+    quantize_128x128(second, with_transpose, with_data))``, bit for bit, each with its own shape and outputs.
+
+    One call and one launch instead of two: the MoE layer's forward quantizes ``W13 = [w1; w3]`` (``w``
+    with ``w_tail``) and ``w2`` (``second``) together. ``second`` follows :func:`quantize_128x128`'s rules
+    for ``w`` (2 or 3 dims, contiguous, ``N`` and ``K`` multiples of 128; its own shape), with ``w``'s dtype
+    and device; it takes no tail. No ``out``: write into existing tensors with :func:`quantize_128x128`.
+    """
+    _check_args("quantize_128x128_pair", w, with_transpose, with_data, w_tail)
+    _check_weight("second", second)
+    check_tensor("second", second, dtypes=w.dtype)  # one kernel: both weights' pointers share a type
+    check_same_device(w=w, second=second)
+    check_no_grad("quantize_128x128_pair", second)
+    outs = torch.ops.fp8flow.quantize_128x128_pair(w, w_tail, second, with_transpose, with_data)
+    return tuple(tuple(_as_asked(outs[i : i + 4], with_transpose, with_data)) for i in (0, 4))
