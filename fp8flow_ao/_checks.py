@@ -4,7 +4,8 @@ Each check raises ``TypeError`` (wrong dtype) or ``ValueError`` (wrong rank, sha
 value) naming the argument, what was given and the rule it breaks. Checks here only read shapes,
 strides and dtypes, so they cost nothing under ``torch.compile`` and never sync the device. Checks
 that must read data (offsets monotone, indices in range) live in :func:`validate_group_end_offsets`
-and run only when asked for (``FP8FLOW_VALIDATE=1`` or ``validate=True``), since they sync.
+and run on CPU tensors (free) or, on a GPU, only when asked for (``FP8FLOW_VALIDATE=1``), since they sync
+(:func:`validation_enabled`).
 """
 
 from __future__ import annotations
@@ -82,22 +83,26 @@ def check_group_end_offsets(name: str, offsets: object, rows: int | None = None)
     """
     check_tensor(name, offsets, dtypes=torch.int32, ndim=1)
     check_contiguous(name, offsets)
-    if validation_enabled() and rows is not None:
+    if rows is not None and validation_enabled(offsets):
         validate_group_end_offsets(name, offsets, rows)
 
 
 def check_row_map(name: str, rows: object, low: int | None = None, high: int | None = None) -> None:
-    """Raise unless ``rows`` is a contiguous 1-D int32 row map; with ``FP8FLOW_VALIDATE=1`` and bounds
-    given, also unless its values lie in ``[low, high)`` (``-1`` marks a pad row where ``low`` is -1)."""
+    """Raise unless ``rows`` is a contiguous 1-D int32 row map; with bounds given and
+    :func:`validation_enabled`, also unless its values lie in ``[low, high)`` (``-1`` marks a pad row where ``low`` is -1)."""
     check_tensor(name, rows, dtypes=torch.int32, ndim=1)
     check_contiguous(name, rows)
-    if high is not None and validation_enabled():
+    if high is not None and validation_enabled(rows):
         validate_index_range(name, rows, low, high)
 
 
-def validation_enabled() -> bool:
-    """Data-reading checks are opt-in: they sync the device. Set ``FP8FLOW_VALIDATE=1``."""
-    return os.environ.get("FP8FLOW_VALIDATE", "0") == "1" and not torch.compiler.is_compiling()
+def validation_enabled(t: torch.Tensor | None = None) -> bool:
+    """Whether to run the checks that read a tensor's values: always for a CPU tensor ``t`` (reading it costs
+    no device sync), on a GPU only with ``FP8FLOW_VALIDATE=1`` (they sync the device: opt-in); never while
+    dynamo traces."""
+    if torch.compiler.is_compiling():
+        return False
+    return (t is not None and t.device.type == "cpu") or os.environ.get("FP8FLOW_VALIDATE", "0") == "1"
 
 
 def validate_group_end_offsets(name: str, offsets: torch.Tensor, rows: int, align: int = BLOCK) -> None:
@@ -130,6 +135,12 @@ def validate_index_range(name: str, indices: torch.Tensor, low: int, high: int) 
     lo, hi = (int(v) for v in torch.aminmax(indices.detach()))
     if lo < low or hi >= high:
         raise ValueError(f"{name} values must lie in [{low}, {high}), got min {lo} and max {hi}")
+
+
+def check_bool(name: str, value: object) -> None:
+    """Raise ``TypeError`` unless ``value`` is a Python ``bool`` (a truthy string or int is a mistake here)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def check_positive_int(name: str, value: object) -> None:

@@ -149,11 +149,13 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
 
     def autocast(self) -> contextlib.AbstractContextManager:
+        """BF16 autocast on CUDA (as torchtitan's mixed precision), nothing on the CPU."""
         if self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy (fp32) of ``inputs`` ``[B, S]`` against ``labels`` ``[B, S]``."""
         with self.autocast():
             logits = self.model(inputs)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -183,6 +185,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss over held-out ``(inputs, labels)`` batches, in eval mode without gradients."""
         self.model.eval()
         try:
             losses = [self.loss(x.to(self.device), y.to(self.device)).item() for x, y in batches]
@@ -192,6 +195,7 @@ class Trainer:
 
 
 def relative_gap(loss: float, reference: float) -> float:
+    """``|loss - reference| / |reference|``: FP8-Flow's loss against BF16's at one step."""
     return abs(loss - reference) / abs(reference)
 
 
@@ -249,6 +253,7 @@ def _format_step(r: dict[str, Any], steps: int, tokens: int) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The demo's command line (``python -m fp8flow_ao.demo --help``)."""
     p = argparse.ArgumentParser(prog="python -m fp8flow_ao.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size and run length (default: by device)")
@@ -415,6 +420,7 @@ def _format_summary(s: dict[str, Any], out: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``python -m fp8flow_ao.demo``: :func:`run`."""
     run(argv)
 
 

@@ -66,6 +66,7 @@ import fp8flow_ao.kernels.quantize_128x128
 import fp8flow_ao.kernels.quantize_dual_1x128
 import fp8flow_ao.kernels.scaling_aware_transpose  # noqa: F401
 from fp8flow_ao._checks import (
+    check_bool,
     check_group_end_offsets,
     check_multiple,
     check_row_major,
@@ -91,7 +92,7 @@ def _check_offset_values(name: str, offs: torch.Tensor, rows: int, aligned: bool
     """Check offset values where it costs no device sync (CPU tensors, or ``FP8FLOW_VALIDATE=1``)."""
     if torch.compiler.is_compiling():
         return
-    if offs.device.type == "cpu" or validation_enabled():
+    if validation_enabled(offs):
         validate_group_end_offsets(name, offs, rows, align=BLOCK if aligned else 1)
 
 
@@ -125,6 +126,7 @@ def _check_args(
     experts, k_b, n = b_t.shape
     if k_b != k:
         raise ValueError(f"b_t must be [E, K={k}, N] to match a [M, K], got shape {tuple(b_t.shape)}")
+    check_bool("offs_aligned", offs_aligned)
     if offs_aligned:
         check_multiple("a", m, what="rows M (offs_aligned=True)")
     check_multiple("a", k, what="columns K")
@@ -192,11 +194,17 @@ def _scaled_grouped_mm(
     offs: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Row-wise FP8 grouped GEMM: ``torch._scaled_grouped_mm`` on CUDA, the reference elsewhere."""
+    """Row-wise FP8 grouped GEMM: ``torch._scaled_grouped_mm`` on CUDA, the reference elsewhere. 2-D x 3-D:
+    rows at or past the last group end are zeros (no group computes them: both leave them uninitialized)."""
     if a.is_cuda:
         # torch takes the dequantize multipliers directly; fast accumulation as torchao does.
-        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype, use_fast_accum=True)
-    return _scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs).to(out_dtype)
+        out = torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype, use_fast_accum=True)
+    else:
+        out = _scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs).to(out_dtype)
+    if b.dim() == 2:
+        return out
+    # One masked pass, no host sync (the last end stays on the device): garbage there would reach A's gradient.
+    return out.masked_fill(torch.arange(out.shape[0], device=out.device)[:, None] >= offs[-1], 0)
 
 
 def _grad_leaf(b_t: torch.Tensor) -> torch.Tensor | None:
@@ -449,9 +457,8 @@ def fp8_grouped_mm(
         b_t: ``[E, K, N]`` bf16/fp32: the expert weights ``W [E, N, K]`` seen transposed (torchtitan's
             ``w.transpose(-2, -1)``; any other layout is copied to that one). ``N`` a multiple of 128.
         offs: int32 ``[E]`` group END offsets on ``a``'s device: non-decreasing, last ``<= M``
-            (empty groups allowed). Rows at or past ``offs[-1]`` are not computed
-            (``recipe="blockwise"``: zeros; ``"rowwise"``: what ``torch._scaled_grouped_mm`` leaves
-            there, zeros when the op pads).
+            (empty groups allowed). Rows at or past ``offs[-1]`` belong to no group: their output and
+            gradient rows are zeros.
         recipe: ``"blockwise"`` (FP8-Flow: 1x128 activations, 128x128 weights) or ``"rowwise"``
             (per-row scales, ``torch._scaled_grouped_mm``; for comparison with torchao).
         out_dtype: output dtype (bf16).

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from fp8flow_ao._checks import check_multiple, check_row_major, check_same_device, check_tensor
+from fp8flow_ao._checks import check_bool, check_multiple, check_row_major, check_same_device, check_tensor
 from fp8flow_ao._format import BLOCK, round_rows_to_fp8_grid
 from fp8flow_ao.kernels.dequantize import dequantize
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import grouped_gemm_fp8_blockwise
@@ -530,6 +530,8 @@ def _check_routed_experts(
     check_row_major("x", x)
     for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
         check_tensor(name, w, dtypes=_HP_DTYPES, ndim=3)
+    if not w1.dtype == w2.dtype == w3.dtype:
+        raise TypeError(f"w1, w2, w3 must share one dtype, got {w1.dtype}, {w2.dtype}, {w3.dtype}")
     num_experts, hidden, dim = w1.shape
     if tuple(w3.shape) != (num_experts, hidden, dim) or tuple(w2.shape) != (num_experts, dim, hidden):
         raise ValueError(
@@ -547,7 +549,11 @@ def _check_routed_experts(
             f"top_scores {tuple(top_scores.shape)} and selected_experts_indices "
             f"{tuple(selected_experts_indices.shape)} must both be [T={x.shape[0]}, k]"
         )
-    check_same_device(x=x, top_scores=top_scores, selected_experts_indices=selected_experts_indices, w1=w1)
+    check_same_device(
+        x=x, top_scores=top_scores, selected_experts_indices=selected_experts_indices, w1=w1, w2=w2, w3=w3
+    )
+    check_bool("recompute_experts", recompute_experts)
+    check_bool("score_before_experts", score_before_experts)
     check_weight_cache_mode(weight_cache)
     check_backward(backward, recompute_experts, ep_group is not None)
 
@@ -625,6 +631,8 @@ class FP8FlowGroupedExperts:
     fp8flow_backward: str = "fp8"
 
     def forward(self, x: torch.Tensor, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
+        """torchtitan's ``GroupedExperts.forward`` contract (``[T, D]`` tokens, ``[T, k]`` scores and ids ->
+        ``[T, D]``, the top-k combine included) on :func:`fp8flow_routed_experts` with this module's options."""
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         compile_ = self.fp8flow_ep_group is None and self.fp8flow_backward not in ABLATIONS
         return fp8flow_routed_experts(
@@ -648,6 +656,8 @@ class FP8FlowMoE:
     """Mixin over torchtitan's ``MoE``: its ``forward`` with the routed experts on the FP8-Flow path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """torchtitan's ``MoE.forward`` (``[B, S, D]`` -> ``[B, S, D]``: router, load-balance counts, routed
+        experts, shared experts) with the routed experts on the FP8-Flow path."""
         bs, slen, dim = x.shape
         x = x.view(-1, dim)
         top_scores, selected_experts_indices, num_tokens_per_expert = self.router(x, self.expert_bias)

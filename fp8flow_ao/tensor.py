@@ -54,7 +54,8 @@ def _route_grouped_mm(args: tuple, kwargs: dict) -> torch.Tensor:
     if isinstance(b, FP8FlowExpertWeight):
         recipe, aligned = b.recipe, b.offs_aligned
         b = _UnwrapWeight.apply(b)
-    out_dtype = call.get("out_dtype") or torch.bfloat16
+    # torch._grouped_mm's default: A's dtype (an FP8 activation reports the dtype it was quantized from)
+    out_dtype = call.get("out_dtype") or (a.dtype if a.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16)
     return fp8_grouped_mm(a, b, offs, recipe=recipe, out_dtype=out_dtype, offs_aligned=aligned)
 
 

@@ -152,15 +152,19 @@ class ExpertWeightsHP(NamedTuple):
     w3: torch.Tensor
 
     def fc1(self) -> WeightOperand:
+        """FC1's B operand: ``w1`` with ``w3`` joined below it (``W13``), quantized by the GEMM."""
         return WeightOperand(self.w1, None, self.w3)
 
     def fc2(self) -> WeightOperand:
+        """FC2's B operand: ``w2``, quantized by the GEMM."""
         return WeightOperand(self.w2)
 
     def fc1_dgrad(self) -> WeightOperand:
+        """FC1 dgrad's B operand: ``W13``, each tile quantized and transposed by the GEMM."""
         return WeightOperand(self.w1, None, self.w3, transpose_b=True)
 
     def fc2_dgrad(self) -> WeightOperand:
+        """FC2 dgrad's B operand: ``w2``, each tile quantized and transposed by the GEMM."""
         return WeightOperand(self.w2, None, None, transpose_b=True)
 
 

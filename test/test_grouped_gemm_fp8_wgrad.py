@@ -503,7 +503,7 @@ BAD = [
     ({"b_t_scale": torch.ones(256, 2).t()}, ValueError, "b_t_scale must be contiguous"),
     ({"a_t_scale": torch.ones(2, 256)}, ValueError, "a_t_scale must have shape"),
     ({"group_end_offsets": torch.tensor([128, 256])}, TypeError, "group_end_offsets must have dtype"),
-    ({"group_end_offsets": torch.zeros(0, dtype=torch.int32)}, ValueError, "at least one expert"),
+    ({"group_end_offsets": torch.zeros(0, dtype=torch.int32)}, ValueError, "must hold at least one"),
 ]
 
 

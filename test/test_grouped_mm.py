@@ -57,7 +57,8 @@ def _check_numerics(groups, recipe, device=DEVICE, shape=(M, K, N), sync_debug=F
         if sync_debug:
             torch.cuda.set_sync_debug_mode("default")
     ref, ref_a, ref_w = _fp32_reference(a, w, groups, grad_out)
-    rows = groups[-1]  # rows past the last group end are not computed
+    rows = groups[-1]  # rows past the last group end belong to no group: zeros, never uninitialized memory
+    assert torch.count_nonzero(out[rows:]) == 0 and torch.count_nonzero(grad_a[rows:]) == 0
     assert out.dtype == torch.bfloat16 and grad_a.dtype == a.dtype and grad_w.dtype == w.dtype
     assert grad_w.shape == w.shape
     assert sqnr_db(ref[:rows], out[:rows]) >= 25
@@ -76,8 +77,9 @@ def test_blockwise_matches_fp32_math(groups):
 
 
 @pytest.mark.parametrize("offs_aligned", [True, False], ids=["aligned", "padded"])
-def test_rowwise_matches_fp32_math(offs_aligned):
-    _check_numerics(GROUPS["skewed"], "rowwise", offs_aligned=offs_aligned)
+@pytest.mark.parametrize("groups", ["skewed", "one_expert"])
+def test_rowwise_matches_fp32_math(offs_aligned, groups):
+    _check_numerics(GROUPS[groups], "rowwise", offs_aligned=offs_aligned)
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
@@ -284,6 +286,8 @@ def test_misaligned_offsets_raise():
     for bad, match in (([256, 100, 384, 512], "non-decreasing"), ([128, 256, 384, 600], "past the end")):
         with pytest.raises(ValueError, match=match):
             fp8_grouped_mm(a, w.transpose(-2, -1), torch.tensor(bad, dtype=torch.int32))
+    with pytest.raises(TypeError, match="offs_aligned must be a bool"):
+        fp8_grouped_mm(a, w.transpose(-2, -1), torch.tensor([128, 256, 384, 512], dtype=torch.int32), offs_aligned="no")
 
 
 @pytest.mark.parametrize(

@@ -508,17 +508,28 @@ def test_compiled_routed_path_saves_x8_not_the_permuted_rows(recompute, backend)
         ({"w2_shape": (4, 128, 256)}, ValueError, "w2 \\[E, D, H\\]"),
         ({"probs_shape": (64, 2)}, ValueError, "top_scores"),
         ({"ids_dtype": torch.float32}, TypeError, "selected_experts_indices"),
+        # on CPU tensors the ids' values are checked for free: an expert past E (or below 0) is not clamped
+        ({"bad_id": 4}, ValueError, r"expert_indices values must lie in \[0, 4\)"),
+        ({"bad_id": -1}, ValueError, r"expert_indices values must lie in \[0, 4\)"),
+        ({"w3_dtype": torch.float32}, TypeError, "w1, w2, w3 must share one dtype"),
+        ({"w2_device": "meta"}, ValueError, "share one device"),
+        ({"recompute_experts": "no"}, TypeError, "recompute_experts must be a bool"),
+        ({"score_before_experts": 1}, TypeError, "score_before_experts must be a bool"),
     ],
 )
 def test_routed_experts_bad_input(kwargs, error, match):
-    tokens, dim, hidden, experts = 128, 256, kwargs.get("hidden", 128), 4
+    tokens, dim, hidden, experts = 128, 256, kwargs.pop("hidden", 128), 4
     x = torch.randn(tokens, dim, dtype=torch.bfloat16)
-    probs = torch.rand(kwargs.get("probs_shape", (tokens, 2)))
-    ids = torch.randint(0, experts, (tokens, 2)).to(kwargs.get("ids_dtype", torch.int64))
-    w1 = w3 = torch.randn(experts, hidden, dim, dtype=torch.bfloat16)
-    w2 = torch.randn(kwargs.get("w2_shape", (experts, dim, hidden)), dtype=torch.bfloat16)
+    probs = torch.rand(kwargs.pop("probs_shape", (tokens, 2)))
+    ids = torch.randint(0, experts, (tokens, 2)).to(kwargs.pop("ids_dtype", torch.int64))
+    if "bad_id" in kwargs:
+        ids[5, 1] = kwargs.pop("bad_id")
+    w1 = torch.randn(experts, hidden, dim, dtype=torch.bfloat16)
+    w3 = w1.to(kwargs.pop("w3_dtype", torch.bfloat16))
+    w2 = torch.randn(kwargs.pop("w2_shape", (experts, dim, hidden)), dtype=torch.bfloat16)
+    w2 = w2.to(kwargs.pop("w2_device", "cpu"))
     with pytest.raises(error, match=match):
-        fp8flow_routed_experts(x, probs, ids, w1, w2, w3)
+        fp8flow_routed_experts(x, probs, ids, w1, w2, w3, **kwargs)
 
 
 @pytest.mark.gpu

@@ -566,3 +566,12 @@ def test_out_of_range_ids_raise_in_validation_mode(monkeypatch, bad):
     src[5] = 8  # T * k = 8 rows exist: 8 is one past the end
     with pytest.raises(ValueError, match=r"src_rows values must lie in \[-1, 8\)"):
         permute_pad_rows(x, None, src, 2)
+
+
+def test_cpu_row_maps_are_checked_without_opting_in():
+    """On CPU tensors a row map's values are checked for free: ``src_rows`` of ``route_pad(ids, E)`` with
+    ``k = 2`` given with ``top_k = 1`` names rows past the tokens, a ValueError, not an IndexError."""
+    ids = torch.tensor([[0, 1], [1, 0], [0, 0], [1, 1]], dtype=torch.int32)
+    src_rows, _, _ = route_pad(ids, 2)
+    with pytest.raises(ValueError, match=r"src_rows values must lie in \[-1, 4\)"):
+        permute_pad_rows(torch.zeros(4, 128, dtype=torch.bfloat16), None, src_rows, 1)

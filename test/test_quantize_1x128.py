@@ -167,3 +167,14 @@ def test_round_rows_to_fp8_grid_stochastic_is_unbiased_on_the_same_grid():
     assert bool(((draws.mean(0) - y).abs() <= 5 * (above - below) / 2 / 400**0.5 + 1e-6).all())
     with pytest.raises(ValueError, match="rounding must be"):
         round_rows_to_fp8_grid(x, 128, "down")
+
+
+def test_cpu_values_are_checked_without_opting_in():
+    """On CPU tensors reading the row map costs no device sync, so its values are always checked: an
+    out-of-range row is a ValueError naming ``src_rows``, not an IndexError from another module. A bool
+    block width (an int subclass) is refused."""
+    x = torch.zeros(4, 128)
+    with pytest.raises(ValueError, match=r"src_rows values must lie in \[-1, 4\)"):
+        quantize_1x128(x, 128, torch.tensor([0, 300], dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_k must be a positive int or None, got True"):
+        quantize_1x128(x, True)

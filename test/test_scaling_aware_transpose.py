@@ -405,3 +405,12 @@ def _fp8(*shape):
 def test_bad_input(args, error, match):
     with pytest.raises(error, match=match):
         scaling_aware_transpose(*args)
+
+
+def test_cpu_row_maps_are_checked_without_opting_in():
+    """On CPU tensors ``src_rows``' values are checked for free against ``top_k`` rows per token row."""
+    data, scale = torch.zeros(2, 128, dtype=FP8_DTYPE), torch.ones(2, 1)
+    src_rows = torch.full((128,), -1, dtype=torch.int32)
+    src_rows[0] = 4  # token 2 of 2 at top_k = 2
+    with pytest.raises(ValueError, match=r"src_rows values must lie in \[-1, 4\)"):
+        scaling_aware_transpose(data, scale, None, src_rows, 2)

@@ -173,6 +173,19 @@ def test_wrapper_routes_grouped_mm(recipe):
     assert type(wrapped.w1.grad) is torch.Tensor and torch.equal(wrapped.w1.grad, plain.w1.grad)
 
 
+def test_wrapper_keeps_grouped_mm_output_dtype():
+    """Without ``out_dtype`` the routed call returns A's dtype, as ``torch._grouped_mm`` does: fp32 tokens
+    and weights give an fp32 output."""
+    wrapped = wrap_expert_weights(_Experts(), names=("w1",))
+    x = torch.randn(512, 384, device=DEVICE)
+    offs = torch.tensor(OFFS, dtype=torch.int32, device=DEVICE)
+    out = torch._grouped_mm(x, wrapped.w1.float().transpose(-2, -1), offs=offs)
+    assert out.dtype == torch.float32
+    assert torch.equal(
+        out, fp8_grouped_mm(x, wrapped.w1.float().detach().transpose(-2, -1), offs, out_dtype=torch.float32)
+    )
+
+
 def test_wrapper_is_a_plain_tensor_elsewhere():
     plain = _Experts()
     wrapped = wrap_expert_weights(_Experts(), names=("w1",))

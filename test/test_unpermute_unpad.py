@@ -239,3 +239,14 @@ def test_out_of_range_rows_raise_in_validation_mode(monkeypatch):
     monkeypatch.setenv("FP8FLOW_VALIDATE", "1")
     with pytest.raises(ValueError, match=r"dst_rows values must lie in \[0, 128\)"):
         unpermute_unpad(y, dst, 2)
+
+
+@pytest.mark.parametrize("bad", [9999, -1])
+def test_cpu_row_maps_are_checked_without_opting_in(bad):
+    """On CPU tensors the row map's values are checked for free: an index past the rows, or -1 (which
+    would read the last row), is a ValueError naming ``dst_rows``."""
+    y = torch.zeros(8, 128, dtype=torch.bfloat16)
+    dst_rows = torch.arange(8, dtype=torch.int32)
+    dst_rows[3] = bad
+    with pytest.raises(ValueError, match=r"dst_rows values must lie in \[0, 8\)"):
+        unpermute_unpad(y, dst_rows, 2)

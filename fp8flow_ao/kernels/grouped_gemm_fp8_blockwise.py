@@ -1295,7 +1295,7 @@ def grouped_gemm_fp8_blockwise(
             stored, with or without ``transpose_b``); ``None`` for a high-precision ``b``.
         group_end_offsets: int32 ``[E]`` on ``a``'s device: padded group END offsets, non-decreasing
             multiples of 128 (so each group starts on a 128-row boundary), last ``<= M``. Values are
-            checked only with ``FP8FLOW_VALIDATE=1`` (the check syncs the device).
+            checked on CPU tensors, on the GPU only with ``FP8FLOW_VALIDATE=1`` (the check syncs the device).
         out_dtype: ``torch.bfloat16`` (default) or ``torch.float32``.
         b_tail: high-precision ``b`` only: ``[E, N2, Kw]`` rows joined below ``b`` (``W = cat([b, b_tail],
             1)``, never materialized: FC1's ``W13 = [w1; w3]``), same dtype, contiguous, ``N2 % 128 == 0``.

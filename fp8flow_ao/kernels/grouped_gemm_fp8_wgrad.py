@@ -866,7 +866,7 @@ def _check_inputs(
     )
     if not isinstance(b_tile_scales, bool):
         raise TypeError(f"b_tile_scales must be a bool, got {type(b_tile_scales).__name__}")
-    if b_tile_scales and validation_enabled():
+    if b_tile_scales and validation_enabled(b_t_scale):
         _validate_tile_scales(b_t_scale)
 
 
@@ -908,8 +908,8 @@ def grouped_gemm_fp8_wgrad(
         b_t: E4M3 ``[K, M]`` contiguous (column-wise X), ``K % 128 == 0``.
         b_t_scale: fp32 ``[ceil(M/128), K]`` contiguous.
         group_end_offsets: int32 ``[E]`` on the operands' device: padded group END offsets,
-            non-decreasing multiples of 128, last ``<= M``. Values are checked only with
-            ``FP8FLOW_VALIDATE=1`` (the check syncs the device).
+            non-decreasing multiples of 128, last ``<= M``. Values are checked on CPU tensors, on the GPU
+            only with ``FP8FLOW_VALIDATE=1`` (the check syncs the device).
         out_dtype: ``torch.float32`` or ``torch.bfloat16`` (the weight's dtype: the epilogue writes
             it, no cast follows). ``None``: ``accumulate_into``'s dtype, else fp32.
         accumulate_into: optional ``[E, N, K]`` contiguous ``out_dtype`` tensor (an existing weight

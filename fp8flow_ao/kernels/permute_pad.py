@@ -346,8 +346,9 @@ def route_pad(expert_indices: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 
     Args:
         expert_indices: int32/int64 ``[T, k]``, the expert of (token t, slot j), in ``[0, num_experts)``.
-            Checked only when ``FP8FLOW_VALIDATE=1``; otherwise an out-of-range id is clamped into the
-            first or last expert (wrong routing, but never an out-of-bounds access).
+            Checked on CPU tensors; on the GPU only when ``FP8FLOW_VALIDATE=1`` (it reads the device);
+            otherwise an out-of-range id is clamped into the first or last expert (wrong routing, but never
+            an out-of-bounds access).
         num_experts: E, the number of (local) experts.
 
     Returns:
@@ -366,7 +367,7 @@ def _check_expert_indices(expert_indices: torch.Tensor, num_experts: int) -> Non
     check_tensor("expert_indices", expert_indices, dtypes=_EXPERT_ID_DTYPES, ndim=2)
     check_positive_int("num_experts", num_experts)
     check_positive_int("top_k (expert_indices.shape[1])", expert_indices.shape[1])
-    if validation_enabled():
+    if validation_enabled(expert_indices):
         validate_index_range("expert_indices", expert_indices, 0, num_experts)
 
 
@@ -765,7 +766,7 @@ def _check_dst_rows(dst_rows: torch.Tensor, src_rows: torch.Tensor, routed: int)
     check_row_map("dst_rows", dst_rows, 0, src_rows.shape[0])
     check_shape("dst_rows", dst_rows, (routed,))
     check_same_device(src_rows=src_rows, dst_rows=dst_rows)
-    if validation_enabled() and routed:
+    if routed and validation_enabled(dst_rows):
         back = src_rows.index_select(0, dst_rows.long())
         inverse = torch.equal(back, torch.arange(routed, dtype=back.dtype, device=back.device))
         if not inverse or int((src_rows >= 0).sum()) != routed:
@@ -796,7 +797,8 @@ def permute_pad_rows(
         dst_rows: optional int32 ``[T * top_k]`` contiguous inverse of ``src_rows`` (``src_rows[dst_rows[i]]
             == i``; :func:`route_pad`'s). Given, the CUDA kernel may read each token once and write its
             ``top_k`` rows instead of reading it once per row (same result; where :func:`scatter_pays`).
-            Its values and the inverse relation are checked only with ``FP8FLOW_VALIDATE=1``.
+            Its values and the inverse relation are checked on CPU tensors, on the GPU only with
+            ``FP8FLOW_VALIDATE=1``.
         quantize: ``True``: quantize high-precision ``x`` (``x_scale`` None) to 1x128 E4M3 on the way, in
             the kernel that moves it (``fp8flow::quantize_permute_pad_rows``; needs ``dst_rows``): the rows
             of ``quantize_1x128(x)`` gathered, bit for bit, in one pass that reads each token once and
@@ -814,13 +816,13 @@ def permute_pad_rows(
     check_same_device(x=x, x_scale=x_scale, src_rows=src_rows)
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
+    if quantize and dst_rows is None:
+        raise ValueError("quantize=True needs dst_rows (route_pad's inverse row map)")
+    if quantize and recompute:
+        raise ValueError("recompute=True gathers rows a forward gathered; it does not combine with quantize=True")
     if dst_rows is not None:
         _check_dst_rows(dst_rows, src_rows, x.shape[0] * top_k)
     if quantize:
-        if dst_rows is None:
-            raise ValueError("quantize=True needs dst_rows (route_pad's inverse row map)")
-        if recompute:
-            raise ValueError("recompute=True gathers rows a forward gathered; it does not combine with quantize=True")
         data, scale, _, _ = torch.ops.fp8flow.quantize_permute_pad_rows(x, src_rows, top_k, dst_rows, False)
         return data, scale
     op = _permute_pad_rows_recompute_op if recompute else _permute_pad_rows_op

@@ -154,7 +154,7 @@ def quantize_1x128(
             row (the row-wise recipe's scale + cast).
         src_rows: optional int32 ``[M_out]`` contiguous row map on ``x``'s device: output row ``r`` is the
             quantized ``x[src_rows[r]]``, or a pad row (data 0, scale 0) where ``src_rows[r] < 0``. Values
-            below ``M`` (checked only with ``FP8FLOW_VALIDATE=1``: it reads the device).
+            below ``M`` (checked on CPU tensors; on the GPU only with ``FP8FLOW_VALIDATE=1``: it reads the device).
 
     Returns:
         ``(data, scale_inv)``: ``data`` E4M3 ``[M, K]`` contiguous (``[M_out, K]`` with ``src_rows``);
@@ -163,7 +163,7 @@ def quantize_1x128(
     """
     check_tensor("x", x, dtypes=_INPUT_DTYPES, ndim=2)
     check_row_major("x", x)
-    if block_k is not None and (not isinstance(block_k, int) or block_k <= 0):
+    if block_k is not None and (not isinstance(block_k, int) or isinstance(block_k, bool) or block_k <= 0):
         raise ValueError(f"block_k must be a positive int or None, got {block_k!r}")
     if src_rows is not None:
         check_row_map("src_rows", src_rows, -1, x.shape[0])

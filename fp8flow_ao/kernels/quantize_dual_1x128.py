@@ -468,11 +468,12 @@ def quantize_dual_1x128(
             multiples of 128.
         group_end_offsets: optional int32 ``[E]`` padded group end offsets (non-decreasing, multiples
             of 128, last <= M), on ``g``'s device. Rows at or past the last one are not read; their
-            outputs are data 0 and scale 0. Values are checked only with ``FP8FLOW_VALIDATE=1``.
+            outputs are data 0 and scale 0. Values are checked on CPU tensors, on the GPU only with
+            ``FP8FLOW_VALIDATE=1``.
         src_rows: optional int32 ``[M_out]`` contiguous row map on ``g``'s device (``M_out`` a multiple of
             128; the offsets then index the ``M_out`` rows): row ``r`` of the outputs is ``g[src_rows[r]]``,
             a pad row (read as 0, row-wise scale 0) where ``src_rows[r] < 0``. Values below ``g``'s row
-            count (checked only with ``FP8FLOW_VALIDATE=1``). ``g``'s own row count is then free.
+            count (checked on CPU tensors, on the GPU only with ``FP8FLOW_VALIDATE=1``). ``g``'s own row count is then free.
 
     Returns:
         ``(row_data, row_scale, col_data, col_scale)``, all contiguous:

@@ -626,11 +626,11 @@ def scaling_aware_transpose(
         check_multiple("data", rows, what="rows (M)")
         m = rows
     else:
-        check_row_map("src_rows", src_rows)
         m = src_rows.shape[0]
         check_multiple("src_rows", m, what="length (M)")
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+        check_row_map("src_rows", src_rows, -1, rows * top_k)
     if group_end_offsets is not None:
         check_group_end_offsets("group_end_offsets", group_end_offsets, rows=m)
         if group_end_offsets.numel() == 0:

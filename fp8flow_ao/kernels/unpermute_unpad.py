@@ -373,7 +373,7 @@ def unpermute_unpad(
         raise ValueError(f"dst_rows length {dst_rows.numel()} must be a multiple of top_k={top_k}")
     _check_probs(probs, dst_rows.numel() // top_k, top_k)
     check_same_device(y=y, dst_rows=dst_rows, probs=probs)
-    if validation_enabled():
+    if validation_enabled(dst_rows):
         validate_index_range("dst_rows", dst_rows, 0, y.shape[0])
     return _unpermute_unpad_op(y, dst_rows, top_k, probs)
 
@@ -416,7 +416,7 @@ def unpermute_unpad_backward(
         check_shape("y", y, (src_rows.shape[0], cols))
     _check_probs(probs, num_tokens, top_k)
     check_same_device(grad_out=grad_out, y=y, src_rows=src_rows, dst_rows=dst_rows, probs=probs)
-    if validation_enabled():
+    if validation_enabled(src_rows):
         validate_index_range("src_rows", src_rows, -1, num_tokens * top_k)
         validate_index_range("dst_rows", dst_rows, 0, src_rows.shape[0])
     check_no_grad("unpermute_unpad_backward", grad_out, y, probs)

@@ -93,7 +93,7 @@ def plan_dispatch(expert_indices: torch.Tensor, num_experts: int, group: dist.Pr
     ranks = dist.get_world_size(group)
     if num_experts % ranks:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the expert-parallel degree {ranks}")
-    if validation_enabled():  # an id out of range would leave the split sizes short of the rows sent
+    if validation_enabled(expert_indices):  # an id out of range would leave the split sizes short of the rows sent
         validate_index_range("expert_indices", expert_indices, 0, num_experts)
     local = num_experts // ranks
     top_k = expert_indices.shape[1]

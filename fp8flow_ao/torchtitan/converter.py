@@ -201,6 +201,8 @@ class FP8FlowConverter(ModelConverter):
         )
 
     def convert(self, model: nn.Module) -> None:
+        """torchtitan's model-converter hook: ``quantize_`` every MoE layer of ``model`` in place with this
+        job's options, check the expert counts against expert parallelism, set the experts' compile options."""
         from torchao.quantization import quantize_
 
         from fp8flow_ao.moe import FP8FlowMoE

@@ -19,6 +19,7 @@ TOKENIZER_DIR = PACKAGED_TOKENIZER_DIR
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m fp8flow_ao.torchtitan.assets OUTDIR``: build the offline corpus and tokenizer, print where."""
     parser = argparse.ArgumentParser(
         prog="python -m fp8flow_ao.torchtitan.assets",
         description="Build the offline corpus (corpus.jsonl) and a byte-level BPE tokenizer in OUTDIR; no network.",
