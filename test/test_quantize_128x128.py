@@ -348,10 +348,12 @@ def build(item):
             "data_t_ptr": "*fp8e4nv", "scale_inv_t_ptr": "*fp32", "N": "i32", "N_HEAD": "i32", "K": "i32"}
     second = dict(zip(("second_ptr", "second_tail_ptr", "data2_ptr", "scale_inv2_ptr", "data_t2_ptr",
                        "scale_inv_t2_ptr", "N2", "N2_HEAD", "K2"), part.values()))
-    constexprs = dict(WITH_DATA=with_data, WITH_TRANSPOSE=with_transpose, PAIR=pair, TILE=128)
-    signature = {**part, **second, "TILES_FIRST": "i32", **dict.fromkeys(constexprs, "constexpr")}
+    constexprs = dict(WITH_DATA=with_data, WITH_TRANSPOSE=with_transpose, TILE=128)
+    runtime = {**part, **second, "TILES_FIRST": "i32"} if pair else part
+    signature = {**runtime, **dict.fromkeys(constexprs, "constexpr")}
+    kernel = mod._quantize_128x128_pair_kernel if pair else mod._quantize_128x128_kernel
     config = mod.default_config(with_transpose)
-    built = compile_for_sm90(mod._quantize_128x128_kernel, signature, constexprs, num_warps=config.num_warps,
+    built = compile_for_sm90(kernel, signature, constexprs, num_warps=config.num_warps,
                              aligned=(*(k for k in signature if k.endswith("_ptr")),), maxnreg=config.maxnreg)
     return [list(item), local_memory_instructions(built.asm["cubin"])]
 

@@ -74,7 +74,8 @@ def default_config(with_transpose: bool) -> triton.Config:
 
 
 @triton.jit
-def _quantize_128x128_kernel(
+def _quantize_tile(
+    tile,
     w_ptr,
     tail_ptr,
     data_ptr,
@@ -84,35 +85,14 @@ def _quantize_128x128_kernel(
     N,
     N_HEAD,
     K,
-    second_ptr,
-    second_tail_ptr,
-    data2_ptr,
-    scale_inv2_ptr,
-    data_t2_ptr,
-    scale_inv_t2_ptr,
-    N2,
-    N2_HEAD,
-    K2,
-    TILES_FIRST,
     WITH_DATA: tl.constexpr,
     WITH_TRANSPOSE: tl.constexpr,
-    PAIR: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    """One program per 128 x 128 tile: of the first weight for programs below ``TILES_FIRST`` and, with
-    ``PAIR``, of the second one (its own shape, tail and outputs) above it -- two weights in one launch.
-    Without ``PAIR`` the second weight's arguments are unused. Tile (``pid_n``, ``pid_k``) of expert ``e``,
-    the K tile index varying fastest so neighbouring programs read neighbouring tiles of the same rows. Rows
-    ``[0, N_HEAD)`` of a weight's ``N`` output rows come from ``w_ptr`` ``[E, N_HEAD, K]``, the rest from
-    ``tail_ptr`` ``[E, N - N_HEAD, K]`` (``N_HEAD == N``: no tail)."""
-    tile = tl.program_id(0)
-    # Only the scalars are chosen per weight: one tile body, the registers of the single-weight kernel (two
-    # inlined bodies spilled 1.5x as many instructions). Nested: the outer test is decided at compile time.
-    if PAIR:  # noqa: SIM102
-        if tile >= TILES_FIRST:
-            tile, N, N_HEAD, K = tile - TILES_FIRST, N2, N2_HEAD, K2
-            w_ptr, tail_ptr, data_ptr, scale_inv_ptr = second_ptr, second_tail_ptr, data2_ptr, scale_inv2_ptr
-            data_t_ptr, scale_inv_t_ptr = data_t2_ptr, scale_inv_t2_ptr
+    """Quantize tile ``tile`` of one weight: (``pid_n``, ``pid_k``) of expert ``e``, the K tile index varying
+    fastest so neighbouring programs read neighbouring tiles of the same rows. Rows ``[0, N_HEAD)`` of the
+    ``N`` output rows come from ``w_ptr`` ``[E, N_HEAD, K]``, the rest from ``tail_ptr`` ``[E, N - N_HEAD, K]``
+    (``N_HEAD == N``: no tail)."""
     tiles_n = N // TILE
     tiles_k = K // TILE
     pid_k = tile % tiles_k
@@ -139,6 +119,69 @@ def _quantize_128x128_kernel(
         # wrong: NaN gradients with torchtitan's fp32 weights; seen on an H200).
         tl.store(data_t_ptr + base + cols[None, :] * N + rows[:, None], q)
         tl.store(scale_inv_t_ptr + (e * tiles_k + pid_k) * tiles_n + pid_n, scale_inv)
+
+
+@triton.jit
+def _quantize_128x128_kernel(
+    w_ptr,
+    tail_ptr,
+    data_ptr,
+    scale_inv_ptr,
+    data_t_ptr,
+    scale_inv_t_ptr,
+    N,
+    N_HEAD,
+    K,
+    WITH_DATA: tl.constexpr,
+    WITH_TRANSPOSE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """One program per 128 x 128 tile of one weight (:func:`_quantize_tile`)."""
+    _quantize_tile(
+        tl.program_id(0), w_ptr, tail_ptr, data_ptr, scale_inv_ptr, data_t_ptr, scale_inv_t_ptr, N, N_HEAD, K,
+        WITH_DATA, WITH_TRANSPOSE, TILE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _quantize_128x128_pair_kernel(
+    w_ptr,
+    tail_ptr,
+    data_ptr,
+    scale_inv_ptr,
+    data_t_ptr,
+    scale_inv_t_ptr,
+    N,
+    N_HEAD,
+    K,
+    second_ptr,
+    second_tail_ptr,
+    data2_ptr,
+    scale_inv2_ptr,
+    data_t2_ptr,
+    scale_inv_t2_ptr,
+    N2,
+    N2_HEAD,
+    K2,
+    TILES_FIRST,
+    WITH_DATA: tl.constexpr,
+    WITH_TRANSPOSE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """One program per 128 x 128 tile of two weights (each with its own shape, tail and outputs): the first
+    weight's for programs below ``TILES_FIRST``, the second's above it. Only the scalars are chosen per
+    program, then one tile body runs: the single-weight kernel's registers (two inlined bodies spilled 1.5x
+    as many instructions). A kernel of its own: its second weight's ten arguments would add host time to
+    every single-weight launch (Triton specializes on each one)."""
+    tile = tl.program_id(0)
+    if tile >= TILES_FIRST:
+        tile, N, N_HEAD, K = tile - TILES_FIRST, N2, N2_HEAD, K2
+        w_ptr, tail_ptr, data_ptr, scale_inv_ptr = second_ptr, second_tail_ptr, data2_ptr, scale_inv2_ptr
+        data_t_ptr, scale_inv_t_ptr = data_t2_ptr, scale_inv_t2_ptr
+    _quantize_tile(
+        tile, w_ptr, tail_ptr, data_ptr, scale_inv_ptr, data_t_ptr, scale_inv_t_ptr, N, N_HEAD, K,
+        WITH_DATA, WITH_TRANSPOSE, TILE,
+    )  # fmt: skip
 
 
 def _joined_shape(w: torch.Tensor, w_tail: torch.Tensor | None) -> tuple[int, ...]:
@@ -231,23 +274,14 @@ def _launch(
     if sum(tiles) == 0:
         return
     args = [a for weight in weights for a in _weight_args(*weight, with_transpose, with_data)]
-    pair = len(weights) == 2
-    if not pair:
-        args += args  # the second weight's slots, unused without PAIR
+    kernel = _quantize_128x128_kernel
+    if len(weights) == 2:
+        kernel = _quantize_128x128_pair_kernel
+        args.append(tiles[0])
     fp32 = any(w.dtype == torch.float32 for w, _, _ in weights)
     for flags in _passes(fp32, with_data, with_transpose):
         c = config or default_config(flags["WITH_TRANSPOSE"])
-        launch_kernel(
-            _quantize_128x128_kernel,
-            (sum(tiles),),
-            *args,
-            tiles[0],
-            **flags,
-            PAIR=pair,
-            TILE=BLOCK,
-            num_warps=c.num_warps,
-            maxnreg=c.maxnreg,
-        )
+        launch_kernel(kernel, (sum(tiles),), *args, **flags, TILE=BLOCK, num_warps=c.num_warps, maxnreg=c.maxnreg)
 
 
 def _passes(fp32: bool, with_data: bool, with_transpose: bool) -> list[dict[str, bool]]:
