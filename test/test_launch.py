@@ -160,3 +160,40 @@ def test_cached_c_launch_of_a_tma_kernel_gives_the_first_launch_s_results():
     assert entries and all(e.encodings for e in entries)
     if triton.__version__.startswith("3.6."):
         assert all(e.c_launch is not None for e in entries)
+
+
+def test_stream_tile_counter_is_one_per_stream_across_threads(monkeypatch):
+    """The bookkeeping of the wgrad's tile counters, without a GPU (streams and allocation stubbed): one
+    counter per (device, stream), made once even when threads ask at the same time (the forward's thread and
+    the autograd engine's share a stream), another per other stream, and a fresh one while capturing."""
+    import threading
+    import time
+
+    made = []
+
+    def new_counter(device):
+        time.sleep(0.01)  # widen the window in which a second maker would slip in
+        made.append(torch.zeros(1, dtype=torch.int32))
+        return made[-1]
+
+    stream = {"raw": 111}
+    monkeypatch.setattr(_launch, "_TILE_COUNTERS", {})
+    monkeypatch.setattr(_launch, "_new_counter", new_counter)
+    monkeypatch.setattr(_launch, "_raw_stream", lambda index: stream["raw"])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    device = torch.device("cuda", 0)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(_launch.stream_tile_counter(device))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and all(c is made[0] for c in got)
+    stream["raw"] = 222
+    other = _launch.stream_tile_counter(device)
+    assert other is not made[0] and len(made) == 2
+    stream["raw"] = 111
+    assert _launch.stream_tile_counter(device) is made[0]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: "fresh")
+    assert _launch.stream_tile_counter(device) == "fresh" and len(made) == 2

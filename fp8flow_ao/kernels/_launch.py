@@ -152,6 +152,9 @@ def _with_tma_maps(args: Sequence[Any], encodings: tuple[tuple[Any, ...], ...], 
 
 # (device index, raw stream) -> int32 [1] at zero between launches: see stream_tile_counter.
 _TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+# Made under a lock: two threads on one stream (forward and the autograd engine's) must not both make one, or
+# the one dropped could be freed while its zeroing is still queued on that stream.
+_TILE_COUNTERS_LOCK = threading.Lock()
 
 
 def stream_tile_counter(device: torch.device) -> torch.Tensor:
@@ -167,7 +170,10 @@ def stream_tile_counter(device: torch.device) -> torch.Tensor:
     key = (index, _raw_stream(index))
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
-        counter = _TILE_COUNTERS[key] = _new_counter(torch.device("cuda", index))
+        with _TILE_COUNTERS_LOCK:
+            counter = _TILE_COUNTERS.get(key)
+            if counter is None:
+                counter = _TILE_COUNTERS[key] = _new_counter(torch.device("cuda", index))
     return counter
 
 
