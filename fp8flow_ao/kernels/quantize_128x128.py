@@ -13,6 +13,9 @@ rows and writes straight into the joined outputs, so no FP8 ``torch.cat`` follow
 are multiples of 128, so no tile spans the two inputs and the result is, bit for bit, the
 quantization of the BF16 concatenation.
 
+``quantize_128x128_pair`` quantizes two weights (the layer forward's W13 and w2) in one launch, each with
+its own shape and outputs, bit for bit the two calls: one op call and one launch fewer on a host-bound step.
+
 Layouts (all contiguous, row-major): ``w`` ``[E, N, K]`` or ``[N, K]``; ``data`` like ``w``;
 ``scale_inv`` fp32 ``[E, N/128, K/128]``; ``data_t`` ``[E, K, N]``; ``scale_inv_t`` ``[E, K/128, N/128]``.
 ``scale_inv`` is the dequantize multiplier: ``w ~= data * scale_inv`` broadcast over each tile.
