@@ -48,6 +48,7 @@ from torchao.core.config import AOBaseConfig
 from torchao.quantization import quant_api
 from torchao.quantization.transform_module import register_quantize_module_handler
 
+from fp8flow_ao._checks import check_bool
 from fp8flow_ao.grouped_mm import RECIPES
 from fp8flow_ao.moe import check_backward, check_moe_layer, convert_moe_layer, is_moe_layer
 from fp8flow_ao.tensor import wrap_expert_weights
@@ -129,8 +130,7 @@ class FP8FlowConfig(AOBaseConfig):
     ] = "fp8"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.recompute_experts, bool):
-            raise TypeError(f"recompute_experts must be a bool, got {type(self.recompute_experts).__name__}")
+        check_bool("recompute_experts", self.recompute_experts)
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {RECIPES}, got {self.recipe!r}")
         if self.recompute_experts and self.recipe != "blockwise":
@@ -138,8 +138,7 @@ class FP8FlowConfig(AOBaseConfig):
         check_weight_cache_mode(self.weight_cache)
         if self.weight_cache != "off" and self.recipe != "blockwise":
             raise ValueError(f"weight_cache={self.weight_cache!r} needs recipe='blockwise' (the fused FP8-Flow path)")
-        if not isinstance(self.fsdp_fp8_all_gather, bool):
-            raise TypeError(f"fsdp_fp8_all_gather must be a bool, got {type(self.fsdp_fp8_all_gather).__name__}")
+        check_bool("fsdp_fp8_all_gather", self.fsdp_fp8_all_gather)
         if self.fsdp_fp8_all_gather and self.recipe != "blockwise":
             raise ValueError("fsdp_fp8_all_gather=True needs recipe='blockwise' (the rowwise baseline gathers BF16)")
         if self.module_filter is not None and not callable(self.module_filter):

@@ -32,6 +32,7 @@ from torch import nn
 from fp8flow_ao._checks import check_fp8, check_shape, check_tensor
 from fp8flow_ao._format import BLOCK
 from fp8flow_ao.kernels.dequantize import dequantize
+from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import OUT_DTYPES
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
 
@@ -55,7 +56,7 @@ def _route_grouped_mm(args: tuple, kwargs: dict) -> torch.Tensor:
         recipe, aligned = b.recipe, b.offs_aligned
         b = _UnwrapWeight.apply(b)
     # torch._grouped_mm's default: A's dtype (an FP8 activation reports the dtype it was quantized from)
-    out_dtype = call.get("out_dtype") or (a.dtype if a.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16)
+    out_dtype = call.get("out_dtype") or (a.dtype if a.dtype in OUT_DTYPES else torch.bfloat16)
     return fp8_grouped_mm(a, b, offs, recipe=recipe, out_dtype=out_dtype, offs_aligned=aligned)
 
 

@@ -55,6 +55,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from fp8flow_ao._checks import (
+    check_bool,
     check_contiguous,
     check_fp8,
     check_group_end_offsets,
@@ -1202,8 +1203,7 @@ def _(
 
 def _check_b(b: torch.Tensor, b_scale: torch.Tensor | None, b_tail: torch.Tensor | None, transpose_b: bool) -> None:
     """``b`` FP8 with its scales, or high precision (quantized by the kernel) with an optional tail."""
-    if not isinstance(transpose_b, bool):
-        raise TypeError(f"transpose_b must be a bool, got {type(transpose_b).__name__}")
+    check_bool("transpose_b", transpose_b)
     check_tensor("b", b, dtypes=(FP8_DTYPE, *HP_B_DTYPES), ndim=3)
     check_contiguous("b", b)  # row-major as stored; a dgrad passes the weight with transpose_b, never a .mT view
     e, n, k = b.shape
@@ -1317,8 +1317,7 @@ def grouped_gemm_fp8_blockwise(
     """
     _check_inputs(a, a_scale, b, b_scale, group_end_offsets, out_dtype, b_tail, transpose_b)
     check_no_grad("grouped_gemm_fp8_blockwise", a, a_scale, b, b_scale, b_tail)
-    if not isinstance(keep_b, bool):
-        raise TypeError(f"keep_b must be a bool, got {type(keep_b).__name__}")
+    check_bool("keep_b", keep_b)
     if keep_b:
         if b.dtype == FP8_DTYPE or transpose_b:
             raise ValueError(

@@ -56,6 +56,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from fp8flow_ao._checks import (
+    check_bool,
     check_contiguous,
     check_fp8,
     check_group_end_offsets,
@@ -864,8 +865,7 @@ def _check_inputs(
         group_end_offsets=group_end_offsets,
         accumulate_into=accumulate_into,
     )
-    if not isinstance(b_tile_scales, bool):
-        raise TypeError(f"b_tile_scales must be a bool, got {type(b_tile_scales).__name__}")
+    check_bool("b_tile_scales", b_tile_scales)
     if b_tile_scales and validation_enabled(b_t_scale):
         _validate_tile_scales(b_t_scale)
 

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from fp8flow_ao._checks import (
+    check_bool,
     check_no_grad,
     check_positive_int,
     check_row_major,
@@ -744,8 +745,7 @@ _permute_pad_rows_op, _permute_pad_rows_recompute_op = map(
 def _check_rows_input(x: torch.Tensor, x_scale: torch.Tensor | None, quantize: bool = False) -> None:
     check_tensor("x", x, dtypes=_INPUT_DTYPES, ndim=2)
     check_row_major("x", x)
-    if not isinstance(quantize, bool):
-        raise TypeError(f"quantize must be a bool, got {type(quantize).__name__}")
+    check_bool("quantize", quantize)
     if quantize:
         if x.dtype == FP8_DTYPE or x_scale is not None:
             raise ValueError(f"quantize=True takes bf16/fp16/fp32 x without x_scale, got {x.dtype} x")
@@ -814,8 +814,7 @@ def permute_pad_rows(
     check_positive_int("top_k", top_k)
     check_row_map("src_rows", src_rows, -1, x.shape[0] * top_k)
     check_same_device(x=x, x_scale=x_scale, src_rows=src_rows)
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
+    check_bool("recompute", recompute)
     if quantize and dst_rows is None:
         raise ValueError("quantize=True needs dst_rows (route_pad's inverse row map)")
     if quantize and recompute:

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from fp8flow_ao._checks import (
+    check_bool,
     check_contiguous,
     check_multiple,
     check_no_grad,
@@ -377,8 +378,8 @@ def _write_into(
             t.copy_(fresh)
 
 
-def _check_weight(name: str, w: torch.Tensor) -> None:
-    check_tensor(name, w, dtypes=_INPUT_DTYPES, ndim=(2, 3))
+def _check_weight(name: str, w: torch.Tensor, dtypes: tuple[torch.dtype, ...] = _INPUT_DTYPES) -> None:
+    check_tensor(name, w, dtypes=dtypes, ndim=(2, 3))
     check_contiguous(name, w)
     check_multiple(name, w.shape[-2], what="dim N (-2)")
     check_multiple(name, w.shape[-1], what="dim K (-1)")
@@ -387,9 +388,8 @@ def _check_weight(name: str, w: torch.Tensor) -> None:
 def _check_args(op: str, w: torch.Tensor, with_transpose: bool, with_data: bool, w_tail: torch.Tensor | None) -> None:
     """What :func:`quantize_128x128` needs of its arguments (``out`` aside)."""
     _check_weight("w", w)
-    for name, flag in (("with_transpose", with_transpose), ("with_data", with_data)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    check_bool("with_transpose", with_transpose)
+    check_bool("with_data", with_data)
     if not (with_data or with_transpose):
         raise ValueError("with_data and with_transpose are both False: nothing to compute")
     if w_tail is not None:
@@ -504,8 +504,7 @@ def quantize_128x128_pair(
     and device; it takes no tail. No ``out``: write into existing tensors with :func:`quantize_128x128`.
     """
     _check_args("quantize_128x128_pair", w, with_transpose, with_data, w_tail)
-    _check_weight("second", second)
-    check_tensor("second", second, dtypes=w.dtype)  # one kernel: both weights' pointers share a type
+    _check_weight("second", second, dtypes=(w.dtype,))  # one kernel: both weights' pointers share a type
     check_same_device(w=w, second=second)
     check_no_grad("quantize_128x128_pair", second)
     outs = torch.ops.fp8flow.quantize_128x128_pair(w, w_tail, second, with_transpose, with_data)

@@ -74,6 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.language.extra import libdevice
 
 from fp8flow_ao._checks import (
+    check_bool,
     check_contiguous,
     check_group_end_offsets,
     check_multiple,
@@ -1066,8 +1067,7 @@ def _check_inputs(h: object, probs: object, group_end_offsets: object, score_bef
         if group_end_offsets.numel() == 0:
             raise ValueError("group_end_offsets must hold at least one group end offset, got an empty tensor")
     check_same_device(h=h, probs=probs, group_end_offsets=group_end_offsets)
-    if not isinstance(score_before_experts, bool):
-        raise TypeError(f"score_before_experts must be a bool, got {type(score_before_experts).__name__}")
+    check_bool("score_before_experts", score_before_experts)
     if score_before_experts and probs is None:
         raise ValueError("score_before_experts=True scales SwiGLU's inputs by probs: probs must be given, got None")
 
@@ -1105,8 +1105,7 @@ def swiglu_quant(
         (every column of a tile carries it), the dequantize multiplier.
     """
     _check_inputs(h, probs, group_end_offsets, score_before_experts)
-    if not isinstance(transpose, bool):
-        raise TypeError(f"transpose must be a bool, got {type(transpose).__name__}")
+    check_bool("transpose", transpose)
     check_no_grad("swiglu_quant", h, probs)
     out = torch.ops.fp8flow.swiglu_quant(h, probs, group_end_offsets, score_before_experts, transpose)
     return out if transpose else out[:2]
