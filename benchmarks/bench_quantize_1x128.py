@@ -3,6 +3,9 @@
 Cases (PERF.md): M = 16384 and 32768 routed rows x D = 7168, bf16, with 1 x 128 blocks and with one
 scale per row (``block_k=None``, the row-wise recipe's cast); and gathered (``src_rows``) into the padded
 groups of skewed, unaligned offsets over E = 128 experts (``fp8_grouped_mm``'s forward on such groups).
+With ``transpose=True`` (``fp8_grouped_mm``'s forward where the weight needs a gradient: the rows and their
+scaling-aware transpose from one kernel) against the two launches it replaces, ``quantize_1x128`` then
+``scaling_aware_transpose`` of its rows; bytes: read x, write the rows and the copy (each 1 B/elem + scales).
 Bytes at the algorithmic minimum: read x (2 B/elem) + write data (1 B/elem) + write scale_inv (4 B per
 block), gathered: + read src_rows (4 B per padded row), data and scales over the padded rows. Issue targets: >= 80% of copy
 bandwidth, >= 1.3x the compiled reference. ``device_us`` (ours) is the call's device time with the
@@ -25,10 +28,43 @@ from _bench import DEVICE_NOTE, n_rotations, unaligned_offsets, versus_baseline,
 
 from fp8flow_ao.kernels.pad_group_offsets import pad_group_offsets  # noqa: E402
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128, quantize_1x128_reference  # noqa: E402
+from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose  # noqa: E402
 from fp8flow_ao.shapes import BENCH_ROUTED_ROWS, DEEPSEEK_V3  # noqa: E402
 
 BASELINE = "torch.compile(fullgraph=True) reference"
 GATHER_EXPERTS = 128
+TWO_LAUNCHES = "quantize_1x128 + scaling_aware_transpose"
+
+
+def _rows_then_transpose(
+    x: torch.Tensor, src_rows: torch.Tensor | None, offs: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    data, scale_inv = quantize_1x128(x, 128, src_rows)
+    return data, scale_inv, *scaling_aware_transpose(data, scale_inv, offs)
+
+
+def _with_transpose(x: torch.Tensor, src_rows: torch.Tensor | None, offs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return quantize_1x128(x, 128, src_rows, transpose=True, group_end_offsets=offs)
+
+
+def _transpose_rows(d: int) -> list[dict]:
+    """The transposing form, on 128-aligned rows and gathered into unaligned groups' padded layout."""
+    rows = []
+    for m in BENCH_ROUTED_ROWS:
+        for gathered in (False, True):
+            src_rows, offs = None, torch.tensor([m], dtype=torch.int32, device="cuda")
+            if gathered:
+                src_rows, _, offs = pad_group_offsets(unaligned_offsets(m, GATHER_EXPERTS), m)
+            out_rows = m if src_rows is None else src_rows.shape[0]
+            bytes_moved = 2 * m * d + 2 * (out_rows * d + 4 * out_rows * (d // 128)) + 4 * out_rows * gathered
+            sets = [
+                (torch.randn(m, d, device="cuda", dtype=torch.bfloat16), src_rows, offs)
+                for _ in range(n_rotations(bytes_moved))
+            ]
+            where = f" gathered into {out_rows} padded rows (E={GATHER_EXPERTS} unaligned)" if gathered else ""
+            case = f"M={m} K={d} block_k=128 transpose=True{where}"
+            rows.append(versus_baseline(case, _with_transpose, _rows_then_transpose, TWO_LAUNCHES, sets, bytes_moved))
+    return rows
 
 
 def main() -> None:
@@ -58,7 +94,11 @@ def main() -> None:
         ]
         case = f"M={m} K={d} block_k=128 gathered into {padded} padded rows (E={GATHER_EXPERTS} unaligned)"
         rows.append(versus_baseline(case, quantize_1x128, compiled, BASELINE, sets, bytes_moved))
-    notes = "bytes = read x bf16 + write fp8 data + fp32 scale_inv; block_k=None: one scale per row. " + DEVICE_NOTE
+    rows += _transpose_rows(d)
+    notes = (
+        "bytes = read x bf16 + write fp8 data + fp32 scale_inv; block_k=None: one scale per row; transpose=True: "
+        f"+ the column-wise copy and its scales, baseline {TWO_LAUNCHES} of the same rows. " + DEVICE_NOTE
+    )
     write_results("quantize_1x128", rows, notes)
 
 

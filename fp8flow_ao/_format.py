@@ -48,6 +48,18 @@ def pow2_scale_inv(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale_inv, scale
 
 
+def empty_row_and_column_wise(like: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    """Uninitialized E4M3 ``[rows, cols]`` in both orientations on ``like``'s device, as the kernels that write
+    both lay them out: row-wise data ``[rows, cols]`` + fp32 scales ``[rows, cols / 128]`` (1 x 128 blocks),
+    column-wise data transposed ``[cols, rows]`` (tokens contiguous) + fp32 scales ``[rows / 128, cols]``."""
+    return (
+        like.new_empty((rows, cols), dtype=FP8_DTYPE),
+        like.new_empty((rows, cols // BLOCK), dtype=torch.float32),
+        like.new_empty((cols, rows), dtype=FP8_DTYPE),
+        like.new_empty((rows // BLOCK, cols), dtype=torch.float32),
+    )
+
+
 def cast_to_fp8(y: torch.Tensor) -> torch.Tensor:
     """fp32 -> E4M3, round to nearest even, saturating at +-448, NaN kept (the GPU's ``satfinite``)."""
     return torch.clamp(y.float(), -FP8_MAX, FP8_MAX).to(FP8_DTYPE)

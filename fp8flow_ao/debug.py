@@ -20,7 +20,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that take a BF16/FP32 activation or gradient to FP8 on their own: the casts FP8-Flow counts.
 # (swiglu_quant* quantize inside a fused op; quantize_128x128 quantizes weights.)
-ACTIVATION_CAST_OPS = ("quantize_1x128", "quantize_dual_1x128", "quantize_permute_pad_rows")
+ACTIVATION_CAST_OPS = (
+    "quantize_1x128",
+    "quantize_1x128_transpose",
+    "quantize_dual_1x128",
+    "quantize_permute_pad_rows",
+)
 # The count key of grouped GEMM calls that quantize a high-precision weight themselves (tile by tile as they
 # load it, instead of reading quantize_128x128's tiles), whether or not they keep the tiles (keep_b).
 QUANTIZING_GEMMS = "grouped_gemm_fp8_blockwise(high-precision b)"

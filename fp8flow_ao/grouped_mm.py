@@ -33,10 +33,12 @@ Recipes:
 * ``"blockwise"`` (FP8-Flow): ``A`` is quantized 1x128 (or arrives already in FP8 as a
   :class:`~fp8flow_ao.tensor.Float8BlockwiseActivation`), the weight 128x128 once per forward
   together with its exact FP8 transpose (only where a backward will need ``dA``: not under
-  ``torch.no_grad()``). Saved for backward: FP8 ``A`` + scales and the transposed
-  FP8 weight, never a BF16 activation. Backward: ``dA`` on the exactly transposed FP8 weight,
-  ``dW`` on the scaling-aware transpose of the saved FP8 ``A`` and the column-wise half of
-  ``quantize_dual_1x128(dOut)``. Where groups have few rows
+  ``torch.no_grad()``). Saved for backward: ``A``'s column-wise FP8 copy (only where the weight needs
+  a gradient; written by the forward's quantizer from the rows it quantizes,
+  ``quantize_1x128(transpose=True)``: the scaling-aware transpose, so backward reads no rows back)
+  and the transposed FP8 weight, never a BF16 activation. Backward: ``dA`` on the exactly transposed
+  FP8 weight, ``dW`` on ``A``'s column-wise copy and the column-wise half of
+  ``quantize_dual_1x128(dOut)``. An ``A`` that arrives in FP8 keeps its rows, transposed in backward. Where groups have few rows
   (:func:`~fp8flow_ao.kernels.grouped_gemm_fp8_blockwise.quantize_in_gemm_pays`) and ``B_t`` is a view of
   a bf16 ``W`` (torchtitan's call), no separate pass quantizes the weight: the forward GEMM takes ``W``,
   quantizes each 128x128 tile as it loads it (the same bits) and, where a backward will need ``dA``,
@@ -291,6 +293,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         grad_leaf: torch.Tensor | None,
         w_in_gemm: bool,
         dgrad: bool,
+        wgrad: bool,
         w_t_copy: bool,
         src_rows: torch.Tensor | None,
         dst_rows: torch.Tensor | None,
@@ -305,16 +308,24 @@ class _Float8GroupedMM(torch.autograd.Function):
         # fine-grained shapes, where the op is host-bound.
         # Unaligned groups (src_rows/dst_rows given): the GEMMs run on the padded rows; out and dA are
         # gathered back to the caller's rows.
+        # A: 1x128 blocks along K, row-major [M, K] + [M, K/128] (padded as it is read): the forward LHS. What
+        # backward keeps of it: nothing without a wgrad; else its column-wise copy [K, M] (the wgrad's RHS),
+        # written by the quantizing kernel itself from the rows it quantizes (the scaling-aware transpose, bit
+        # for bit, the same bytes as the rows), or for an A that arrives in FP8 its rows, transposed in backward.
+        ctx.a_transposed = wgrad and not isinstance(a, Float8BlockwiseActivation)
         if isinstance(a, Float8BlockwiseActivation):
             a_data, a_scale = (a if src_rows is None else a.permute_pad_rows(src_rows, 1)).data_and_scale()
+            a_saved = (a_data, a_scale) if wgrad else (None, None)
+        elif wgrad:
+            a_data, a_scale, *a_saved = _OPS.quantize_1x128_transpose(a, src_rows, offs)
         else:
-            # A: 1x128 blocks along K, row-major [M, K] + [M, K/128] (padded as it is read): the forward LHS.
             a_data, a_scale = _OPS.quantize_1x128(a, BLOCK, src_rows)
+            a_saved = (None, None)
         # The dgrad's B operand is W^T: its own FP8 tiles (transpose_b False), or W's, which the dgrad GEMM
         # transposes (and for the high-precision W quantizes) as it loads them.
         ctx.transpose_b = not w_t_copy
         out, w_saved = _blockwise_forward(a_data, a_scale, w, offs, out_dtype, w_in_gemm, dgrad, w_t_copy)
-        ctx.save_for_backward(a_data, a_scale, *w_saved, offs, src_rows, dst_rows)
+        ctx.save_for_backward(*a_saved, *w_saved, offs, src_rows, dst_rows)
         return out if dst_rows is None else _OPS.unpermute_unpad(out, dst_rows, 1, None)
 
     @staticmethod
@@ -336,7 +347,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         # transposed view.
         grad_a = None if grad_a is None else grad_a.to(ctx.a_dtype)
         grad_b_t = None if grad_w is None else grad_w.to(ctx.b_dtype).transpose(-2, -1)
-        return grad_a, grad_b_t, None, None, None, None, None, None, None, None, None
+        return grad_a, grad_b_t, *(None,) * 10
 
 
 def _quantize_w_in_gemm(rows: int, b_t: torch.Tensor, recipe: str, aligned: bool, dgrad: bool) -> bool:
@@ -385,7 +396,7 @@ def _blockwise_forward(
 def _blockwise_backward(
     ctx, grad_out: torch.Tensor, fuse_into: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    a_data, a_scale, w, w_scale, offs, src_rows, dst_rows = ctx.saved_tensors
+    a_saved, a_saved_scale, w, w_scale, offs, src_rows, dst_rows = ctx.saved_tensors
     needs_a, needs_w = ctx.needs_input_grad[:2]
     # dOut [M, N] (padded as it is read): row-wise 1x128 (dgrad LHS) and column-wise [N, M] (wgrad LHS).
     g_data, g_scale, g_t_data, g_t_scale = _OPS.quantize_dual_1x128(grad_out, offs, src_rows)
@@ -401,8 +412,12 @@ def _blockwise_backward(
             grad_a = _OPS.unpermute_unpad(grad_a, dst_rows, 1, None)
     if not needs_w:
         return grad_a, None
-    # dW_e [N, K] = dOut_e^T A_e: A re-encoded column-wise [K, M] by exponent shift, no re-quantization.
-    a_t_data, a_t_scale = _OPS.scaling_aware_transpose(a_data, a_scale, offs, None, 1)
+    # dW_e [N, K] = dOut_e^T A_e: A re-encoded column-wise [K, M] by exponent shift, no re-quantization (by the
+    # forward's quantizer, or here for an A that arrived in FP8).
+    if ctx.a_transposed:
+        a_t_data, a_t_scale = a_saved, a_saved_scale
+    else:
+        a_t_data, a_t_scale = _OPS.scaling_aware_transpose(a_saved, a_saved_scale, offs, None, 1)
     # Written in the weight's dtype by the epilogue, or added there into the gradient it already holds.
     # The transpose's scales are one per 128x128 tile (b_tile_scales: one FFMA an element to promote). Straight
     # to the ops, as above: their operands are this op's own outputs, and grouped_gemm_fp8_wgrad's checks
@@ -475,12 +490,14 @@ def fp8_grouped_mm(
     """
     _check_args(a, b_t, offs, recipe, out_dtype, offs_aligned)
     grad_leaf = _grad_leaf(b_t) if recipe == "blockwise" else None
-    # Whether a backward will ask for dA: else the forward writes no transposed FP8 weight (inference, no_grad).
+    # Whether a backward will ask for dA: else the forward writes no transposed FP8 weight (inference, no_grad);
+    # for dW: else it keeps nothing of A.
     dgrad = torch.is_grad_enabled() and a.requires_grad
+    wgrad = torch.is_grad_enabled() and b_t.requires_grad
     w_in_gemm = _quantize_w_in_gemm(a.shape[0], b_t, recipe, offs_aligned, dgrad)
     # Whether the dgrad reads a transposed FP8 copy rather than transposing W's tiles in its GEMM.
     w_t_copy = not w_in_gemm and not transpose_in_gemm_pays(a.shape[0], b_t.shape[0], offs_aligned)
-    args = (recipe, out_dtype, grad_leaf, w_in_gemm, dgrad, w_t_copy)
+    args = (recipe, out_dtype, grad_leaf, w_in_gemm, dgrad, wgrad, w_t_copy)
     if offs_aligned:
         return _Float8GroupedMM.apply(a, b_t, offs, *args, None, None)
     src_rows, dst_rows, padded_offs = _OPS.pad_group_offsets(offs, a.shape[0])

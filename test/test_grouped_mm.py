@@ -160,7 +160,9 @@ def test_unaligned_blockwise_pads_as_it_quantizes(fp8_input):
     assert counter.counts["permute_pad_rows"] == fp8_input  # the FP8 rows of a quantized A move as they are
     assert counter.counts["unpermute_unpad_backward"] == 0
     assert counter.counts["unpermute_unpad"] == 2  # out and dA
-    assert counter.counts["quantize_1x128"] == (not fp8_input) and counter.counts["quantize_dual_1x128"] == 1
+    assert counter.counts["quantize_1x128_transpose"] == (not fp8_input) and counter.counts["quantize_dual_1x128"] == 1
+    # A's column-wise copy comes from the forward's quantizer; an FP8 A is transposed in backward
+    assert counter.counts["quantize_1x128"] == 0 and counter.counts["scaling_aware_transpose"] == fp8_input
 
 
 @pytest.mark.gpu
@@ -228,7 +230,9 @@ def test_backward_keeps_fp8_activations_and_casts_twice(recipe, offs_aligned, we
         in_gemm = weight_quantization == "in_gemm"
         assert not [t for t in saved if t.dtype == w.dtype and t.shape == w.shape]
         assert {t.dtype for t in saved if t.shape != w.shape} <= {FP8, torch.float32, torch.int32}
-        assert any(t.dtype == FP8 and t.shape == (rows, K) for t in saved)
+        # A's FP8 copy is the column-wise one the wgrad reads (no rows kept to transpose in backward)
+        assert any(t.dtype == FP8 and t.shape == (K, rows) for t in saved)
+        assert not any(t.dtype == FP8 and t.shape == (rows, K) for t in saved)
         # The dgrad's FP8 weight: the transposed copy, or the forward tiles its GEMM transposes.
         fp8_weights = [tuple(t.shape) for t in saved if t.dtype == FP8 and t.dim() == 3]
         w_t_shape = (w.shape[0], w.shape[2], w.shape[1])
@@ -238,7 +242,7 @@ def test_backward_keeps_fp8_activations_and_casts_twice(recipe, offs_aligned, we
         assert counter.counts["quantize_128x128"] == (not in_gemm)
         assert counter.counts[QUANTIZING_GEMMS] == in_gemm
         assert counter.weight_quantizations == 1
-        assert counter.counts["scaling_aware_transpose"] == 1
+        assert counter.counts["quantize_1x128_transpose"] == 1 and counter.counts["scaling_aware_transpose"] == 0
         assert counter.counts["dequantize"] == 0
         assert counter.activation_casts == 2
     else:  # torchao's row-wise recipe keeps the high-precision A for its per-expert column scales
@@ -356,26 +360,37 @@ SEPARATE_QUANTIZE_GROUPS = [256, 768, 1536, 2048]
 
 @pytest.mark.parametrize("frozen", ["a", "w"])
 def test_backward_computes_only_the_gradients_asked_for(frozen):
-    """A frozen weight: no scaling-aware transpose, no wgrad. An input that needs no gradient: no
-    transposed FP8 weight in forward, no dgrad GEMM. The gradients computed are the same bits."""
+    """A frozen weight: no column-wise copy of A (and nothing of A kept for backward), no wgrad. An input that
+    needs no gradient: no transposed FP8 weight in forward, no dgrad GEMM. The gradients computed are the same
+    bits."""
     a, w, offs = _inputs(SEPARATE_QUANTIZE_GROUPS, m=2048)
     out_full, grad_a_full, grad_w_full, grad_out = _run(a, w, offs, "blockwise")
     (a if frozen == "a" else w).requires_grad_(False)
-    with _FP8FlowCalls() as mode:
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with _FP8FlowCalls() as mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=True)
         out.backward(grad_out)
     assert torch.equal(out, out_full)
     counts = mode.counts
+    a_copies = [t for t in saved if t.dtype == FP8 and t.dim() == 2]
+    assert counts["scaling_aware_transpose"] == 0
     if frozen == "a":
         assert a.grad is None and torch.equal(w.grad, grad_w_full)
         assert mode.transposes_asked == [False]
         assert counts["grouped_gemm_fp8_blockwise"] == 1  # forward only
-        assert counts["scaling_aware_transpose"] == counts["grouped_gemm_fp8_wgrad"] == 1
+        assert counts["quantize_1x128_transpose"] == counts["grouped_gemm_fp8_wgrad"] == 1
+        assert [tuple(t.shape) for t in a_copies] == [(a.shape[1], a.shape[0])]
     else:
         assert w.grad is None and torch.equal(a.grad, grad_a_full)
         assert mode.transposes_asked == [True]
         assert counts["grouped_gemm_fp8_blockwise"] == 2
-        assert counts["scaling_aware_transpose"] == counts["grouped_gemm_fp8_wgrad"] == 0
+        assert counts["quantize_1x128"] == 1 and counts["quantize_1x128_transpose"] == 0
+        assert counts["grouped_gemm_fp8_wgrad"] == 0 and a_copies == []
 
 
 def test_no_grad_forward_writes_no_transposed_weight():

@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE
-from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows
+from fp8_helpers import assert_fp8_equal, assert_scales_equal, edge_case_rows, run_build_script
 
 from fp8flow_ao._format import FP8_MAX, dequantize_rows_reference, quantize_rows_reference, round_rows_to_fp8_grid
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows_reference
-from fp8flow_ao.kernels.quantize_1x128 import launch_quantize_1x128, quantize_1x128, quantize_1x128_reference
+from fp8flow_ao.kernels.quantize_1x128 import (
+    launch_quantize_1x128,
+    launch_quantize_1x128_transpose,
+    quantize_1x128,
+    quantize_1x128_reference,
+    quantize_1x128_transpose_reference,
+)
+from fp8flow_ao.kernels.scaling_aware_transpose import scaling_aware_transpose_reference
 
 SHAPES = [(1, 128), (37, 256), (130, 384), (64, 200), (5, 7), (0, 256), (3, 1000)]
 
@@ -178,3 +185,109 @@ def test_cpu_values_are_checked_without_opting_in():
         quantize_1x128(x, 128, torch.tensor([0, 300], dtype=torch.int32))
     with pytest.raises(ValueError, match="block_k must be a positive int or None, got True"):
         quantize_1x128(x, True)
+
+
+def _assert_transpose_outputs_equal(out, expected):
+    for got, want, equal in zip(out, expected, (assert_fp8_equal, assert_scales_equal) * 2, strict=True):
+        equal(got, want)
+
+
+# Group end offsets (128-aligned, as the copy's column blocks need) for 256 rows and for 384 gathered rows.
+_OFFSETS = {
+    "none": (None, None),
+    "past_end": ([0, 128], [128, 256]),  # the rows past the last end belong to no group: pad rows of the copy
+    "all_empty": ([0, 0], [0, 0]),
+    "every_row": ([128, 256], [256, 384]),
+}
+
+
+@pytest.mark.parametrize("offsets", list(_OFFSETS))
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_transpose_is_the_scaling_aware_transpose_of_its_rows(offsets, gather, dtype):
+    """``transpose=True``: the rows are ``quantize_1x128``'s bit for bit (non-finite and tiny values, pad rows,
+    rows past the last group end included) and the copy is ``scaling_aware_transpose`` of them."""
+    gen = torch.Generator().manual_seed(len(offsets) + gather)
+    x = torch.randn(300, 256, generator=gen) * torch.logspace(-8, 5, 300)[:, None]
+    x = torch.cat([edge_case_rows(256, "cpu", torch.float32), x]).to(dtype)
+    src_rows = _src_rows(x.shape[0], 384, seed=3) if gather else None
+    if not gather:
+        x = x[:256]
+    ends = _OFFSETS[offsets][gather]
+    offs = None if ends is None else torch.tensor(ends, dtype=torch.int32)
+    out = launch_quantize_1x128_transpose(x.to(DEVICE), src_rows, None if offs is None else offs.to(DEVICE))
+    rows = quantize_1x128_reference(x, 128, None if src_rows is None else src_rows.cpu())
+    _assert_transpose_outputs_equal(out, (*rows, *scaling_aware_transpose_reference(*rows, offs)))
+    ref = quantize_1x128_transpose_reference(x, None if src_rows is None else src_rows.cpu(), offs)
+    _assert_transpose_outputs_equal(ref, (*rows, *scaling_aware_transpose_reference(*rows, offs)))
+
+
+def test_transpose_public_function_compile_and_opcheck():
+    """The public function with ``transpose=True``, eager and compiled (fullgraph), equals the launcher; empty
+    shapes; opcheck of the op."""
+    x = torch.randn(256, 384, device=DEVICE, dtype=torch.bfloat16)
+    src_rows, offs = _src_rows(256, 384), torch.tensor([128, 256], dtype=torch.int32, device=DEVICE)
+    for args, kwargs in (((x,), {}), ((x, 128, src_rows), {"group_end_offsets": offs})):
+        eager = quantize_1x128(*args, transpose=True, **kwargs)
+        compiled = torch.compile(quantize_1x128, fullgraph=True)(*args, transpose=True, **kwargs)
+        expected = launch_quantize_1x128_transpose(x, *args[2:], kwargs.get("group_end_offsets"))
+        _assert_transpose_outputs_equal(eager, expected)
+        _assert_transpose_outputs_equal(compiled, expected)
+    empty = quantize_1x128(x[:0], transpose=True)
+    assert [tuple(t.shape) for t in empty] == [(0, 384), (0, 3), (384, 0), (0, 384)]
+    op = torch.ops.fp8flow.quantize_1x128_transpose.default
+    torch.library.opcheck(op, (x[:128, :256],))
+    torch.library.opcheck(op, (x, src_rows, offs))
+
+
+@pytest.mark.parametrize(
+    ("x", "kwargs", "error", "match"),
+    [
+        (torch.zeros(128, 256), {"block_k": None}, ValueError, "transpose=True needs block_k=128"),
+        (torch.zeros(100, 256), {}, ValueError, r"output rows \(transpose=True\) must be a multiple of 128"),
+        (torch.zeros(128, 200), {}, ValueError, r"columns K \(transpose=True\) must be a multiple of 128"),
+        (torch.zeros(128, 256), {"transpose": 1}, TypeError, "transpose must be a bool"),
+        (torch.zeros(128, 256), {"group_end_offsets": torch.zeros(1, dtype=torch.int64)}, TypeError, "int32"),
+        (torch.zeros(128, 256), {"group_end_offsets": torch.zeros(0, dtype=torch.int32)}, ValueError, "one group"),
+        (
+            torch.zeros(128, 256),
+            {"group_end_offsets": torch.tensor([256], dtype=torch.int32)},
+            ValueError,
+            "past the end of the 128 rows",
+        ),
+    ],
+)
+def test_transpose_bad_input(x, kwargs, error, match):
+    kwargs = {"transpose": True, **kwargs}
+    with pytest.raises(error, match=match):
+        quantize_1x128(x, kwargs.pop("block_k", 128), **kwargs)
+    with pytest.raises(ValueError, match="group_end_offsets is for transpose=True"):
+        quantize_1x128(x, group_end_offsets=torch.zeros(1, dtype=torch.int32))
+
+
+def test_transpose_kernel_builds_for_sm90():
+    """The interpreter runs the kernel without compiling it: build the forms fp8_grouped_mm's launches take
+    (bf16 or fp32 A, gathered into padded groups or not, with the group ends) for sm_90a; no spill."""
+    built = run_build_script(_BUILD_TRANSPOSE)
+    assert len(built) == 4 and all(spills == 0 for _, spills in built), built
+
+
+_BUILD_TRANSPOSE = """
+from fp8flow_ao.kernels._sm90_common import compile_for_sm90
+from fp8flow_ao.kernels import quantize_1x128 as mod
+
+def build(item):
+    dtype, gather, has_offsets = item
+    runtime = {"x_ptr": dtype, "src_rows_ptr": "*i32", "offsets_ptr": "*i32", "data_ptr": "*fp8e4nv",
+               "scale_inv_ptr": "*fp32", "data_t_ptr": "*fp8e4nv", "scale_inv_t_ptr": "*fp32", "M": "i32",
+               "K": "i32", "stride_xm": "i32", "num_groups": "i32"}
+    constexprs = dict(GATHER=gather, HAS_OFFSETS=has_offsets)
+    signature = {**runtime, **dict.fromkeys(constexprs, "constexpr")}
+    built = compile_for_sm90(mod._quantize_1x128_transpose_kernel, signature, constexprs,
+                             num_warps=mod._TRANSPOSE_NUM_WARPS,
+                             aligned=(*(k for k in runtime if k.endswith("_ptr")), "M", "K", "stride_xm"))
+    return [list(item), local_memory_instructions(built.asm["cubin"])]
+
+items = [("*bf16", False, True), ("*bf16", True, True), ("*fp32", False, True), ("*bf16", False, False)]
+print(json.dumps(parallel_map(build, items)))
+"""

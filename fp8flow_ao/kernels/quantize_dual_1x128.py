@@ -44,7 +44,7 @@ from fp8flow_ao._checks import (
     check_same_device,
     check_tensor,
 )
-from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao._format import BLOCK, FP8_DTYPE, empty_row_and_column_wise, quantize_rows_reference
 from fp8flow_ao.kernels._grouped_gemm_common import check_tma_operand, sm_count
 from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._registry import define_op
@@ -174,13 +174,7 @@ def _quantize_dual_1x128_kernel(
 def _allocate(
     g: torch.Tensor, src_rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    m, n = (g.shape[0] if src_rows is None else src_rows.shape[0]), g.shape[1]
-    return (
-        g.new_empty((m, n), dtype=FP8_DTYPE),
-        g.new_empty((m, n // BLOCK), dtype=torch.float32),
-        g.new_empty((n, m), dtype=FP8_DTYPE),
-        g.new_empty((m // BLOCK, n), dtype=torch.float32),
-    )
+    return empty_row_and_column_wise(g, g.shape[0] if src_rows is None else src_rows.shape[0], g.shape[1])
 
 
 def launch_quantize_dual_1x128(
