@@ -83,11 +83,12 @@ class FP8FlowConfig(AOBaseConfig):
               backward. Saves a read of the BF16 weights and a launch per weight per micro-batch.
               Works compiled.
             * ``"step"``: both orientations (``6*E*H*D`` bytes) are cached across micro-batches and
-              steps and re-quantized on the first use after the weights change (version counters; the
-              torchtitan converter also invalidates after each optimizer step): with gradient
-              accumulation, micro-batches 2..n quantize no weights. Caches eagerly and with the layer's
-              own compiled path (torchtitan's ``fp8flow.compile_experts``); where a ``torch.compile`` of
-              the model traces the layer it runs as ``"forward"``. With FSDP2 outside torchtitan, call
+              steps and re-quantized on the first use after the weights change (version counters, and
+              every ``torch.optim`` optimizer's ``step()``, fused ones included, marks the cache stale):
+              with gradient accumulation, micro-batches 2..n quantize no weights. Caches eagerly and with
+              the layer's own compiled path (torchtitan's ``fp8flow.compile_experts``); where a
+              ``torch.compile`` of the model traces the layer it runs as ``"forward"``. With FSDP2 outside
+              torchtitan, or an optimizer outside ``torch.optim`` (apex, DeepSpeed), call
               ``fp8flow_ao.weight_cache.EXPERT_WEIGHT_CACHE.invalidate()`` after each optimizer step.
 
             Measured figures: :mod:`fp8flow_ao.weight_cache` (H200, compiled layer: ``"forward"`` 1.04-1.05x

@@ -49,22 +49,31 @@ median of 3, ``moe_layer_deepseek_qwen_wt_step_cudagraph.md``): Qwen-like 3.38 /
 BF16** (every repetition 1.90-2.01x; the path under CUDA graphs without the cache: 1.53x / 1.63x);
 DeepSeek-like 11.52 / 12.27 ms, 1.63x / 1.63x (device-bound: graphs add nothing there).
 
-When is a cached entry stale? An entry is keyed on each source tensor's identity (a weak reference to
-the tensor, or to its base for a view such as a DTensor's ``to_local()``), ``data_ptr``, shape,
-strides, dtype, device and autograd version counter (``_version``). Every in-place write that goes
-through the dispatcher bumps the version: the optimizer's ``step()``, ``copy_``, ``load_state_dict``,
-``nn.init`` and edits under ``torch.no_grad()``. Rebinding ``param.data = new`` changes ``data_ptr``; a
-dead tensor never matches (weak reference), so a new tensor at the same address cannot hit an old
-entry. Two kinds of writes bypass the version counter and need :meth:`FP8WeightCache.invalidate`:
-writes through ``param.data`` (a fresh version counter by design) and FSDP2's all-gather into the
-unsharded parameters (it runs under ``torch.autograd._unsafe_preserve_version_counter``, so a
-re-gather into the same storage looks unchanged). The torchtitan converter therefore invalidates
-after every optimizer step (``post_optimizer_hook``; under CUDA graphs, where FSDP2 is refused, it marks
-the entries stale and keeps their tensors, which the next lookup re-quantizes in place); with FSDP2
-outside torchtitan call ``EXPERT_WEIGHT_CACHE.invalidate()`` after ``optimizer.step()``. Under FSDP2 the
-cache is meant to sit on the sharded side instead: keyed on the local shard (the tensor the optimizer
-updates, whose version does bump), fed to the FP8 all-gather; :meth:`FP8WeightCache.get` takes any
-sources and any producer for that reason.
+When is a cached entry stale? An entry is keyed on each source tensor's storage (a weak reference to
+the storage object, not to the tensor: ``torch.utils.swap_tensors``, which ``load_state_dict`` and
+``Module.to`` use under ``torch.__future__.set_swap_module_params_on_conversion(True)``, refuses a tensor
+that has weak references), ``data_ptr``, shape, strides, dtype, device and autograd version counter
+(``_version``). Every in-place write that goes through the dispatcher bumps the version: ``copy_``,
+``load_state_dict``, ``nn.init``, edits under ``torch.no_grad()``, the for-loop and foreach optimizers.
+Rebinding ``param.data = new`` changes the storage; a dead storage never matches, so a new tensor at the
+same address cannot hit an old entry. Writes that bypass the version counter:
+
+* ``torch.optim``'s fused optimizers (``AdamW(fused=True)``, torchtitan's default ``implementation =
+  "fused"``): their kernels leave ``_version`` as it was (torch 2.13). So the first ``"step"`` lookup
+  registers a hook after every ``torch.optim`` optimizer's ``step()``
+  (``torch.optim.optimizer.register_optimizer_step_post_hook``) that marks every entry stale: the cache
+  holds a weight's tiles for one optimizer step at most, whichever optimizer ran.
+* writes through ``param.data`` (a fresh version counter by design), optimizers outside ``torch.optim``
+  (apex's or DeepSpeed's fused Adam write through raw pointers) and FSDP2's all-gather into the unsharded
+  parameters (it runs under ``torch.autograd._unsafe_preserve_version_counter``, so a re-gather into the
+  same storage looks unchanged): call :meth:`FP8WeightCache.invalidate` after them.
+
+The torchtitan converter also invalidates after every optimizer step (``post_optimizer_hook``; under CUDA
+graphs, where FSDP2 is refused, it marks the entries stale and keeps their tensors, which the next lookup
+re-quantizes in place); with FSDP2 outside torchtitan call ``EXPERT_WEIGHT_CACHE.invalidate()`` after
+``optimizer.step()``. Under FSDP2 the cache is meant to sit on the sharded side instead: keyed on the
+local shard (the tensor the optimizer updates, whose version does bump), fed to the FP8 all-gather;
+:meth:`FP8WeightCache.get` takes any sources and any producer for that reason.
 
 ``torch.compile``: the lookup is Python state (a dict, weak references, version counters) that
 dynamo cannot trace into a reusable graph, and a compiled graph may reuse the memory of a buffer it
@@ -85,6 +94,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import quantize_in_gemm_pays
@@ -248,10 +258,11 @@ def _from_tiles(w1, w2, w3, with_w13: bool, with_w2: bool, with_w13_t: bool, wit
     )
 
 
-def _owner(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose lifetime bounds ``t``'s: its base for a view (e.g. a DTensor's ``to_local()``, a
-    new view object per call), else ``t`` itself."""
-    return t if t._base is None else t._base
+def _owner(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage whose lifetime bounds a value made from ``t`` (the same Python object for every tensor
+    and view on it while it lives, e.g. a DTensor's ``to_local()``, a new view object per call). Not the
+    tensor: ``torch.utils.swap_tensors`` refuses a tensor that has weak references."""
+    return t.untyped_storage()
 
 
 def _state(t: torch.Tensor) -> tuple:
@@ -265,7 +276,7 @@ def _layout(state: tuple) -> tuple:
 
 
 class _Entry(NamedTuple):
-    owners: tuple[weakref.ref, ...]
+    owners: tuple[weakref.ref, ...]  # to the sources' storages
     states: tuple[tuple, ...]
     value: object
     stale: bool = False  # invalidate(keep_values=True): never a hit, its tensors kept for a refresh
@@ -274,12 +285,12 @@ class _Entry(NamedTuple):
 class FP8WeightCache:
     """Values derived from tensors (e.g. their FP8 quantization), reused while those tensors are unchanged.
 
-    :meth:`get` returns the stored value when every source is the same live tensor (or a view of the
-    same base) at the same address, shape, strides, dtype, device and version counter as when the value
-    was made; otherwise it calls ``produce`` and stores the result in place of the old one (the old
+    :meth:`get` returns the stored value when every source is on the same live storage, at the same
+    address, shape, strides, dtype, device and version counter as when the value was made; otherwise it calls ``produce`` and stores the result in place of the old one (the old
     value is freed once nothing else holds it). An entry dies with its sources. See the module
-    docstring for the writes the version counter does not see (``param.data``, FSDP2's all-gather):
-    call :meth:`invalidate` after those.
+    docstring for the writes the version counter does not see (``param.data``, optimizers outside
+    ``torch.optim``, FSDP2's all-gather): call :meth:`invalidate` after those (``torch.optim``'s steps do it
+    for :data:`EXPERT_WEIGHT_CACHE`).
 
     Stored values must never be written to by callers: they share them. With ``refresh``, :meth:`get` itself
     rewrites a stale value in place (same tensors, same addresses) instead of making a new one.
@@ -360,6 +371,21 @@ class FP8WeightCache:
 EXPERT_WEIGHT_CACHE = FP8WeightCache()
 """The process-wide cache the MoE layers use with ``weight_cache="step"`` (keyed by their weights)."""
 
+_OPTIMIZER_HOOK: list = []  # the handle of the hook below, once registered
+
+
+def _stale_after_optimizer_step(*_: object) -> None:
+    """After any ``torch.optim`` optimizer's ``step()``: every cached tile may be stale (the fused optimizers
+    do not bump version counters). Marked stale, tensors kept: a lookup under CUDA graphs rewrites them in place,
+    any other replaces them."""
+    EXPERT_WEIGHT_CACHE.invalidate(keep_values=True)
+
+
+def _watch_optimizer_steps() -> None:
+    """Register :func:`_stale_after_optimizer_step` after every ``torch.optim`` step, once per process."""
+    if not _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(_stale_after_optimizer_step))
+
 
 def check_weight_cache_mode(mode: object) -> None:
     """Raise ``ValueError`` unless ``mode`` is one of :data:`WEIGHT_CACHE_MODES`."""
@@ -389,6 +415,7 @@ def step_cached_weights(
     remade (once per optimizer step), not on every lookup: a hit is the hot path of a host-bound step."""
     if mode != "step" or torch.compiler.is_compiling():
         return NOTHING
+    _watch_optimizer_steps()
 
     def make(old: ExpertWeightsFP8 | None = None) -> ExpertWeightsFP8:
         """New tiles (``old`` None: the cache's ``produce``), or ``old``'s rewritten (its ``refresh``)."""

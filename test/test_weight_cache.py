@@ -307,6 +307,37 @@ def test_step_cache_follows_weight_updates_between_micro_batches(monkeypatch, co
     assert not torch.equal(before[0], after[0])
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_step_cache_follows_every_torch_optim_step(fused):
+    """torch.optim's fused optimizers write the weights without bumping their version counters: the hook
+    registered by the first "step" lookup marks the cache stale after every torch.optim step, so the cached
+    path stays bit-identical to re-quantizing each time across steps."""
+    x, probs, ids, grad, weights = _layer_inputs()
+    fresh = [w.detach().clone().requires_grad_() for w in weights]
+    optimizers = [torch.optim.AdamW(group, lr=1e-2, fused=fused, foreach=not fused) for group in (weights, fresh)]
+    for _ in range(3):
+        cached = _step(fp8flow_routed_experts, x, probs, ids, grad, weights, weight_cache="step")
+        _assert_identical(cached, _step(fp8flow_routed_experts, x, probs, ids, grad, fresh))
+        for group, optimizer in zip((weights, fresh), optimizers, strict=True):
+            for w, g in zip(group, cached[3:], strict=True):
+                w.grad = g.clone()
+            optimizer.step()
+    assert not torch.equal(weights[0], _layer_inputs()[4][0])  # (the steps did move the weights)
+
+
+def test_cached_weights_can_still_be_swapped():
+    """The cache holds no weak reference to a weight itself (only to its storage), so torch.utils.swap_tensors
+    (load_state_dict / Module.to under swap_module_params_on_conversion) still takes the parameter; the swapped
+    weight misses."""
+    cache, w = FP8WeightCache(), _param()
+    produce = _Producer(w)
+    cache.get((w,), produce)
+    torch.utils.swap_tensors(w, torch.nn.Parameter(torch.randn_like(w)))
+    assert torch.equal(cache.get((w,), produce), w.detach() * 2) and produce.calls == 2
+    gc.collect()
+    assert len(cache) == 1  # the old storage died with the tensor swapped out: its entry went with it
+
+
 @pytest.mark.parametrize("mode", ["forward", "step"])
 def test_modes_keep_the_transposes_for_backward(mode):
     """ "off" saves no FP8 weight copy (test_moe); the others keep the exact transposes [E, D, 2H], [E, H, D]."""
