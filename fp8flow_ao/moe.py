@@ -152,7 +152,20 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
     @staticmethod
     @_autocast_off
     def forward(
-        ctx, x, probs, expert_indices, w1, w2, w3, recompute, weight_cache, ep_group, score_before, backward, *cached
+        ctx,
+        x,
+        probs,
+        expert_indices,
+        w1,
+        w2,
+        w3,
+        recompute,
+        weight_cache,
+        ep_group,
+        score_before,
+        backward,
+        grad_mode,
+        *cached,
     ):
         num_experts, top_k = w1.shape[0], expert_indices.shape[1]  # local experts under EP
         # Cast 1 of 2: x [T, D] -> 1x128 FP8 row-wise, before dispatch; everything after stays FP8.
@@ -170,15 +183,25 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             rows_k = 1
             routed = permute_pad(rows, rows_scale, plan.local_expert, rows_probs, num_experts)
         offs = routed.group_end_offsets
+        # What backward will compute: the weight gradients only for weights that need one (frozen experts:
+        # no wgrad operands kept, no wgrads), nothing at all without a gradient (no_grad, inference: the caller's
+        # grad mode, since forward runs without it and needs_input_grad follows requires_grad alone).
+        needs = [grad_mode and n for n in ctx.needs_input_grad[:6]]
+        ctx.wgrads = (needs[4], needs[3] or needs[5])  # (w2, W13)
         # Weights: 128x128 tiles, made by the GEMMs themselves as they load the weights where experts have
         # few rows; else by quantize_128x128, with weight_cache "forward"/"step" also the dgrads' exact
         # transposes, kept for backward (memory for speed: weight_cache.py); "step"'s from its cache (``cached``).
         qw = weights_for_forward(
-            w1, w2, w3, weight_cache, rows.shape[0] * rows_k, ExpertWeightsFP8(*cached) if cached else NOTHING
+            w1,
+            w2,
+            w3,
+            weight_cache if any(needs[:6]) else "off",  # no backward: no transposes to keep
+            rows.shape[0] * rows_k,
+            ExpertWeightsFP8(*cached) if cached else NOTHING,
         )
         # Kept for backward unless recomputed: h and, where the FC2 wgrad runs in FP8, a8 column-wise (the
         # same bytes as a8, which FC2 then no longer needs).
-        keep_a_t = not recompute and _fp8_wgrads(backward)
+        keep_a_t = not recompute and _fp8_wgrads(backward) and ctx.wgrads[0]
         h, a_data, a_scale, *a_t = _fc1_swiglu(
             routed.data, routed.scale_inv, qw.fc1(), routed.probs, offs, score_before, keep_a_t
         )
@@ -228,14 +251,14 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             grad_probs = grad_probs.view(-1, top_k)
         else:
             grad_x, grad_probs = combine(grad_x, plan), combine_probs_grad(grad_probs, plan)
-        grad_w1, grad_w3 = grad_w13.unbind(0)
+        grad_w1, grad_w3 = (None, None) if grad_w13 is None else grad_w13.unbind(0)
         return (
             grad_x.to(x_dtype),
             grad_probs.to(probs_dtype),
             None,
             grad_w1,
             grad_w2,
-            grad_w3.to(w3_dtype),
+            None if grad_w3 is None else grad_w3.to(w3_dtype),
             None,
             None,
             None,
@@ -268,9 +291,12 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
         if ctx.recompute
         else None
     )
+    wgrad_w2, wgrad_w13 = ctx.wgrads  # (a frozen weight gets no gradient: None)
+    grad_w2 = grad_w13 = None
     if ctx.recompute:
         xp, xp_scale = _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k)
-        h, _, _, *a_t = _fc1_swiglu(xp, xp_scale, qw13.fc1(), probs_p, offs, ctx.score_before, fp8_wgrads)
+        keep_a_t = fp8_wgrads and wgrad_w2
+        h, _, _, *a_t = _fc1_swiglu(xp, xp_scale, qw13.fc1(), probs_p, offs, ctx.score_before, keep_a_t)
         del xp, xp_scale
     else:
         h, *a_t = fc1_saved
@@ -289,7 +315,7 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
     qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2", in_gemm=in_gemm)
     grad_a = _expert_gemm(dyp, dyp_scale, qw2.fc2_dgrad(), offs)
     del qw2
-    if fp8_wgrads:
+    if fp8_wgrads and wgrad_w2:
         # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
         dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
         a_t, a_t_scale = a_t  # made with a8 by swiglu_quant(transpose=True)
@@ -315,12 +341,12 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
     # transpose itself (the permuted rows are never written in backward). Stored as
     # [2, E, H, D], so w1's and w3's gradients are contiguous: halves of [E, 2H, D] would be strided
     # views, which autograd copies into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
-    if fp8_wgrads:
+    if fp8_wgrads and wgrad_w13:
         xp_t, xp_t_scale = scaling_aware_transpose(rows, rows_scale, offs, src_rows, rows_k)
         grad_w13 = grouped_gemm_fp8_wgrad(
             dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2, b_tile_scales=True
         )
-    else:
+    elif not fp8_wgrads:
         xp, xp_scale = _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k)
         _, _, grad_w2, grad_w13 = _grads_bf16(
             grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx, grad_a
@@ -517,6 +543,7 @@ def _routed_experts(
         ep_group,
         bool(score_before_experts),
         backward,
+        torch.is_grad_enabled(),
         *cached,
     )
 
@@ -601,7 +628,24 @@ def compiled_routed_experts(backend: str | Callable, mode: str | None = None) ->
     return torch.compile(_routed_experts, fullgraph=True, backend=backend, mode=mode)
 
 
-class FP8FlowGroupedExperts:
+class _SwappedClassMixin:
+    """Pickling for the classes :func:`_swap_class` makes at run time (``torch.save(model)``, ``pickle``,
+    ``copy.deepcopy``): pickle finds a class by its module and name, which a class made by ``type()`` does not
+    have; the object is pickled as made from its original class and this mixin instead, which rebuild it."""
+
+    def __reduce_ex__(self, protocol: int):
+        mixin, original = type(self).__bases__
+        reduced = super().__reduce_ex__(protocol)  # (constructor, its args, state, ...): the state is kept
+        return (_new_swapped, (original, mixin), *reduced[2:])
+
+
+def _new_swapped(original: type, mixin: type) -> nn.Module:
+    """An uninitialized instance of ``(mixin, original)``'s swapped class (pickle then sets its state)."""
+    cls = _swapped_class(original, mixin)
+    return cls.__new__(cls)
+
+
+class FP8FlowGroupedExperts(_SwappedClassMixin):
     """Mixin over torchtitan's ``GroupedExperts``: ``forward(x, top_scores, indices)`` = routed path + combine.
 
     Running the path inside the experts module keeps FSDP2's pre-forward hooks (which unshard
@@ -652,7 +696,7 @@ class FP8FlowGroupedExperts:
         )
 
 
-class FP8FlowMoE:
+class FP8FlowMoE(_SwappedClassMixin):
     """Mixin over torchtitan's ``MoE``: its ``forward`` with the routed experts on the FP8-Flow path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -673,13 +717,17 @@ class FP8FlowMoE:
 _SWAPPED_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _swap_class(module: nn.Module, mixin: type) -> None:
-    """Give ``module`` the class ``(mixin, type(module))``, made once per original class."""
-    cls = type(module)
+def _swapped_class(cls: type, mixin: type) -> type:
+    """The class ``(mixin, cls)``, made once per original class."""
     key = (cls, mixin)
     if key not in _SWAPPED_CLASSES:
         _SWAPPED_CLASSES[key] = type(f"FP8Flow{cls.__name__}", (mixin, cls), {"__module__": __name__})
-    module.__class__ = _SWAPPED_CLASSES[key]
+    return _SWAPPED_CLASSES[key]
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    """Give ``module`` the class ``(mixin, type(module))``."""
+    module.__class__ = _swapped_class(type(module), mixin)
 
 
 def is_moe_layer(module: nn.Module, fqn: str = "") -> bool:
@@ -725,6 +773,9 @@ def check_moe_layer(module: nn.Module, fqn: str = "") -> None:
             f"{where}: FP8-Flow needs the model dim D and the expert ffn dim H to be multiples of 128 "
             f"(1x128 / 128x128 blocks), got D={d}, H={h}"
         )
+    dtypes = {n: getattr(module.experts, n).dtype for n in ("w1", "w2", "w3")}
+    if any(dtype not in _HP_DTYPES for dtype in dtypes.values()):
+        raise ValueError(f"{where}: FP8-Flow's expert path runs in {_HP_DTYPES}; the expert weights are {dtypes}")
 
 
 def convert_moe_layer(
@@ -746,6 +797,8 @@ def convert_moe_layer(
     parameters become :class:`~fp8flow_ao.tensor.FP8FlowExpertWeight` s, ``state_dict`` stays plain).
     """
     check_moe_layer(module, fqn)
+    check_bool("recompute_experts", recompute_experts)
+    check_bool("fsdp_fp8_all_gather", fsdp_fp8_all_gather)
     check_weight_cache_mode(weight_cache)
     check_backward(backward, recompute_experts, False, fsdp_fp8_all_gather)
     if "torchtitan" in sys.modules:  # its expert_parallel_degree must dispatch this layer in FP8
@@ -753,7 +806,7 @@ def convert_moe_layer(
 
         install()
     _swap_class(module.experts, FP8FlowGroupedExperts)
-    module.experts.fp8flow_recompute_experts = bool(recompute_experts)
+    module.experts.fp8flow_recompute_experts = recompute_experts
     module.experts.fp8flow_weight_cache = weight_cache
     module.experts.fp8flow_backward = backward
     module.experts.fp8flow_score_before_experts = bool(getattr(module, "score_before_experts", False))

@@ -4,6 +4,8 @@ that load both ways, the row-wise comparison recipe, and fp32 models."""
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from torchao.quantization import quantize_
 
 from fp8flow_ao.config import FP8FlowConfig, convert_to_fp8flow
 from fp8flow_ao.debug import FP8FlowOpCounter
-from fp8flow_ao.moe import FP8FlowGroupedExperts, FP8FlowMoE, is_moe_layer
+from fp8flow_ao.moe import FP8FlowGroupedExperts, FP8FlowMoE, convert_moe_layer, is_moe_layer
 from fp8flow_ao.tensor import FP8FlowExpertWeight
 from fp8flow_ao.torchtitan.cpu import integer_histc
 
@@ -131,6 +133,7 @@ def test_module_filter_and_filter_fn():
         (lambda: nn.Sequential(nn.Linear(256, 256)), "no MoE layer"),
         (lambda: _Model(hidden=192), "multiples of 128.*D=256, H=192"),
         (lambda: _Model(dim=320), "multiples of 128.*D=320"),
+        (lambda: _Model().half(), r"runs in \(torch.bfloat16, torch.float32\).*torch.float16"),
     ],
 )
 def test_unsupported_models_raise_and_stay_untouched(build, match):
@@ -193,6 +196,30 @@ def test_checkpoints_load_both_ways():
     quantize_(other, FP8FlowConfig())
     other.load_state_dict(fresh.state_dict())
     assert torch.equal(_forward(other, x), expected)
+
+
+def test_converted_model_pickles():
+    """torch.save(model) / pickle of a converted model: its classes are made at run time, so pickle gets what
+    they are made from; the loaded model is converted with the same options and gives the same bits."""
+    model = _Model()
+    quantize_(model, FP8FlowConfig(recompute_experts=True))
+    x = torch.randn(2, 32, 256, device=DEVICE, dtype=torch.bfloat16)
+    expected = _forward(model, x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for loaded in (pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+        assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
+        assert all(block.moe.experts.fp8flow_recompute_experts for block in loaded.layers)
+        assert torch.equal(_forward(loaded, x), expected)
+
+
+@pytest.mark.parametrize("option", ["recompute_experts", "fsdp_fp8_all_gather"])
+def test_convert_moe_layer_takes_bools_only(option):
+    moe = make_moe()
+    with pytest.raises(TypeError, match=f"{option} must be a bool"):
+        convert_moe_layer(moe, **{option: "no"})
+    assert not isinstance(moe, FP8FlowMoE)
 
 
 def test_fp32_model_keeps_its_dtypes():

@@ -280,6 +280,8 @@ def test_backward_keeps_fp8_not_bf16_activations(recompute):
     ids = torch.stack([torch.randperm(experts, device=DEVICE)[:top_k] for _ in range(tokens)])
     w1, w3 = (torch.randn(experts, hidden, dim, device=DEVICE, dtype=torch.bfloat16) * 0.05 for _ in range(2))
     w2 = torch.randn(experts, dim, hidden, device=DEVICE, dtype=torch.bfloat16) * 0.05
+    for w in (w1, w2, w3):
+        w.requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         fp8flow_routed_experts(x, probs, ids, w1, w2, w3, recompute_experts=recompute)
@@ -296,6 +298,69 @@ def test_backward_keeps_fp8_not_bf16_activations(recompute):
     else:  # FC1's output h (SwiGLU's backward needs it exactly) and a8 column-wise [H, M] (FC2's wgrad operand)
         assert len(bf16) == 1 and bf16[0][1] == 2 * hidden
         assert [tuple(t.shape)[0] for t in a8_either_way] == [hidden]  # not also a8 row-wise [M, H]
+
+
+class _Calls(FP8FlowOpCounter):
+    """The op counter, plus each swiglu_quant call's ``transpose`` and each quantize_128x128(_pair) call's
+    ``with_transpose``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transposes: list[tuple[str, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fp8flow" and func._opname in ("swiglu_quant", "quantize_128x128_pair"):
+            index = 4 if func._opname == "swiglu_quant" else 3
+            # the dispatcher leaves out trailing arguments that have their default (False)
+            self.transposes.append((func._opname, len(args) > index and args[index]))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _experts_inputs(tokens: int = 128, dim: int = 256, hidden: int = 128, experts: int = 4, top_k: int = 2):
+    x = torch.randn(tokens, dim, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(tokens, top_k, device=DEVICE, requires_grad=True)
+    ids = torch.stack([torch.randperm(experts, device=DEVICE)[:top_k] for _ in range(tokens)])
+    shapes = ((experts, hidden, dim), (experts, dim, hidden), (experts, hidden, dim))
+    weights = [(torch.randn(s, device=DEVICE, dtype=torch.bfloat16) * 0.05).requires_grad_() for s in shapes]
+    return x, probs, ids, weights
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+@pytest.mark.parametrize("frozen", [(0, 1, 2), (1,), (0, 2)], ids=["experts", "w2", "w13"])
+def test_frozen_weights_get_no_weight_gradient_work(frozen, recompute):
+    """Frozen expert weights (fine-tuning): no wgrad GEMM and no column-wise operand for it, neither kept by
+    forward nor made in backward; every gradient asked for is the same bits as a full backward's."""
+    x, probs, ids, weights = _experts_inputs()
+    grad = torch.randn_like(x)
+    kwargs = {"recompute_experts": recompute, "weight_cache": "forward"}
+    full = torch.autograd.grad(fp8flow_routed_experts(x, probs, ids, *weights, **kwargs), (x, probs, *weights), grad)
+    for i in frozen:
+        weights[i].requires_grad_(False)
+    trainable = [w for w in weights if w.requires_grad]
+    with _Calls() as calls:
+        out = fp8flow_routed_experts(x, probs, ids, *weights, **kwargs)
+        got = torch.autograd.grad(out, (x, probs, *trainable), grad)
+    expected = [*full[:2], *(g for i, g in enumerate(full[2:]) if i not in frozen)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    wgrads = (1 not in frozen) + (0 not in frozen or 2 not in frozen)  # FC2's (w2), FC1's (W13)
+    assert calls.counts["grouped_gemm_fp8_wgrad"] == wgrads
+    assert calls.counts["scaling_aware_transpose"] == wgrads  # dy's for FC2, x's for FC1
+    # a8's column-wise copy (FC2's wgrad operand) only where w2 trains: by forward, or by backward's recompute
+    w2_trains = 1 not in frozen
+    expected = [w2_trains and not recompute, *([w2_trains] if recompute else [])]
+    assert [t for name, t in calls.transposes if name == "swiglu_quant"] == expected
+
+
+def test_inference_makes_no_backward_operands():
+    """Without a gradient to come (no_grad): no column-wise a8, and weight_cache="forward" quantizes the forward
+    orientation only (as "off" does); the output is the same bits."""
+    x, probs, ids, weights = _experts_inputs()
+    expected = fp8flow_routed_experts(x, probs, ids, *weights, weight_cache="forward").detach()
+    with torch.no_grad(), _Calls() as calls:
+        out = fp8flow_routed_experts(x, probs, ids, *weights, weight_cache="forward")
+    assert torch.equal(out, expected)
+    assert ("swiglu_quant", False) in calls.transposes and not any(t for _, t in calls.transposes)
+    assert calls.weight_quantizations == 2  # W13 and w2, forward orientation only (by the GEMMs here)
 
 
 @pytest.mark.gpu
