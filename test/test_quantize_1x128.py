@@ -222,6 +222,13 @@ def test_transpose_is_the_scaling_aware_transpose_of_its_rows(offsets, gather, d
     _assert_transpose_outputs_equal(ref, (*rows, *scaling_aware_transpose_reference(*rows, offs)))
 
 
+def test_transpose_row_stride_is_free():
+    """A row-major view with a row stride wider than K (a slice of wider rows) quantizes as its contiguous copy."""
+    x = torch.randn(128, 512, device=DEVICE, dtype=torch.bfloat16)[:, 128:384]
+    out = launch_quantize_1x128_transpose(x)
+    _assert_transpose_outputs_equal(out, quantize_1x128_transpose_reference(x.contiguous().cpu()))
+
+
 def test_transpose_public_function_compile_and_opcheck():
     """The public function with ``transpose=True``, eager and compiled (fullgraph), equals the launcher; empty
     shapes; opcheck of the op."""
