@@ -37,7 +37,6 @@ conversion itself is :func:`convert_to_fp8flow`, which needs no ``quantize_`` at
 from __future__ import annotations
 
 import sys
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -231,9 +230,10 @@ def convert_to_fp8flow(model: nn.Module, config: FP8FlowConfig | None = None) ->
     return model
 
 
-# Which config last converted a model through quantize_: the handler runs once per nn.Linear of the
-# model, and only the first call of a quantize_ call converts (later ones see this entry).
-_CONVERTED_BY: weakref.WeakKeyDictionary[nn.Module, FP8FlowConfig] = weakref.WeakKeyDictionary()
+# The handler runs once per nn.Linear of the model; the first run of a quantize_ call converts the model and
+# marks that call's outermost recursion frame with this local (it dies with the call), so the later runs of the
+# same call do nothing while a second quantize_ call converts again, and so raises "already converted".
+_CONVERTED_MARK = "__fp8flow_converted__"
 
 
 def _quantize_call_frames() -> list:
@@ -267,8 +267,8 @@ def _fp8flow_transform(module: nn.Module, config: FP8FlowConfig) -> nn.Module:
             "fp8flow_ao.config.convert_to_fp8flow(model, config) or quantize_(model, config, "
             "filter_fn=fp8flow_ao.moe.is_moe_layer)"
         )
-    root = frames[0].f_locals["model"]
-    if _CONVERTED_BY.get(root) is not config:
-        convert_to_fp8flow(root, config)
-        _CONVERTED_BY[root] = config
+    call = frames[0].f_locals  # the frame's own locals mapping: a key set here stays for the frame's life
+    if _CONVERTED_MARK not in call:
+        convert_to_fp8flow(call["model"], config)
+        call[_CONVERTED_MARK] = True
     return module

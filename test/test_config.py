@@ -110,6 +110,19 @@ def test_plain_quantize_call_converts_every_moe_layer():
         quantize_(model, FP8FlowConfig())
 
 
+def test_second_quantize_call_raises_with_the_same_config_too():
+    """One quantize_ call converts once (its handler runs per nn.Linear); a second call with the very same
+    config object is a second conversion, refused as one with a new config is, not silently skipped."""
+    config = FP8FlowConfig()
+    model = _Model()
+    quantize_(model, config)
+    with pytest.raises(ValueError, match="already converted"):
+        quantize_(model, config)
+    other = _Model()  # the same config converts another model
+    quantize_(other, config)
+    assert all(isinstance(block.moe, FP8FlowMoE) for block in other.layers)
+
+
 def test_module_filter_and_filter_fn():
     seen = []
 
