@@ -38,7 +38,8 @@ Recipes:
   ``quantize_1x128(transpose=True)``: the scaling-aware transpose, so backward reads no rows back)
   and the transposed FP8 weight, never a BF16 activation. Backward: ``dA`` on the exactly transposed
   FP8 weight, ``dW`` on ``A``'s column-wise copy and the column-wise half of
-  ``quantize_dual_1x128(dOut)``. An ``A`` that arrives in FP8 keeps its rows, transposed in backward. Where groups have few rows
+  ``quantize_dual_1x128(dOut)``. An ``A`` that arrives in FP8 keeps its rows, transposed in backward.
+  Where groups have few rows
   (:func:`~fp8flow_ao.kernels.grouped_gemm_fp8_blockwise.quantize_in_gemm_pays`) and ``B_t`` is a view of
   a bf16 ``W`` (torchtitan's call), no separate pass quantizes the weight: the forward GEMM takes ``W``,
   quantizes each 128x128 tile as it loads it (the same bits) and, where a backward will need ``dA``,
