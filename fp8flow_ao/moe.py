@@ -699,6 +699,17 @@ class FP8FlowGroupedExperts(_SwappedClassMixin):
 class FP8FlowMoE(_SwappedClassMixin):
     """Mixin over torchtitan's ``MoE``: its ``forward`` with the routed experts on the FP8-Flow path."""
 
+    @property
+    def score_before_experts(self) -> bool:
+        """torchtitan's flag, kept where the routed path reads it (``experts.fp8flow_score_before_experts``):
+        setting it on a converted layer changes where its scores multiply, as on torchtitan's own layer."""
+        return self.experts.fp8flow_score_before_experts
+
+    @score_before_experts.setter
+    def score_before_experts(self, value: bool) -> None:
+        check_bool("score_before_experts", value)
+        self.experts.fp8flow_score_before_experts = value
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """torchtitan's ``MoE.forward`` (``[B, S, D]`` -> ``[B, S, D]``: router, load-balance counts, routed
         experts, shared experts) with the routed experts on the FP8-Flow path."""

@@ -198,10 +198,17 @@ def test_llama4_layer_is_converted_with_its_score_placement(runs):
     assert ref.score_before_experts and ref.router.top_k == 1 and ref.shared_experts is not None
     moe = convert_moe_layer(copy.deepcopy(ref))
     assert isinstance(moe, FP8FlowMoE) and moe.experts.fp8flow_score_before_experts
-    # the score's placement matters: the same layer run with the score after the experts is another function
-    moe.experts.fp8flow_score_before_experts = False
+    # the score's placement matters: the same layer run with the score after the experts is another function;
+    # the layer's own flag, set after conversion, reaches the routed path as on torchtitan's layer
+    moe.score_before_experts = False
+    assert not moe.experts.fp8flow_score_before_experts
     x, grad = runs["llama4_balanced"]["inputs"]
     assert sqnr_db(runs["llama4_balanced"]["ref"]["out"], run_step(moe, x, grad)["out"]) < 20
+    ref_after = copy.deepcopy(ref)
+    ref_after.score_before_experts = False
+    assert sqnr_db(run_step(ref_after, x, grad)["out"], run_step(moe, x, grad)["out"]) >= 25
+    with pytest.raises(TypeError, match="score_before_experts must be a bool"):
+        moe.score_before_experts = 1
 
 
 @pytest.mark.parametrize("routing", list(ROUTINGS))
