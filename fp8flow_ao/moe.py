@@ -195,7 +195,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             w1,
             w2,
             w3,
-            weight_cache if any(needs[:6]) else "off",  # no backward: no transposes to keep
+            weight_cache if any(needs) else "off",  # no backward: no transposes to keep
             rows.shape[0] * rows_k,
             ExpertWeightsFP8(*cached) if cached else NOTHING,
         )

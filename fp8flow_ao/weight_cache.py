@@ -89,6 +89,7 @@ and a cache hit returns the tensors a fresh quantization makes.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
@@ -371,8 +372,6 @@ class FP8WeightCache:
 EXPERT_WEIGHT_CACHE = FP8WeightCache()
 """The process-wide cache the MoE layers use with ``weight_cache="step"`` (keyed by their weights)."""
 
-_OPTIMIZER_HOOK: list = []  # the handle of the hook below, once registered
-
 
 def _stale_after_optimizer_step(*_: object) -> None:
     """After any ``torch.optim`` optimizer's ``step()``: every cached tile may be stale (the fused optimizers
@@ -381,10 +380,10 @@ def _stale_after_optimizer_step(*_: object) -> None:
     EXPERT_WEIGHT_CACHE.invalidate(keep_values=True)
 
 
-def _watch_optimizer_steps() -> None:
+@functools.cache
+def _watch_optimizer_steps() -> torch.utils.hooks.RemovableHandle:
     """Register :func:`_stale_after_optimizer_step` after every ``torch.optim`` step, once per process."""
-    if not _OPTIMIZER_HOOK:
-        _OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(_stale_after_optimizer_step))
+    return register_optimizer_step_post_hook(_stale_after_optimizer_step)
 
 
 def check_weight_cache_mode(mode: object) -> None:

@@ -84,7 +84,7 @@ from fp8flow_ao._checks import (
     check_shape,
     check_tensor,
 )
-from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
+from fp8flow_ao._format import BLOCK, FP8_DTYPE, empty_row_and_column_wise, quantize_rows_reference
 from fp8flow_ao.kernels._grouped_gemm_common import check_tma_operand, interpreting, sm_count
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
@@ -467,12 +467,13 @@ def _allocate_forward(h: torch.Tensor, transpose: bool) -> tuple[torch.Tensor, .
     """The forward's outputs for ``h [M, 2H]``: ``a`` row-wise, and column-wise with ``transpose`` (else a pair
     of empty ``(0,)`` tensors)."""
     m, hidden = h.shape[0], h.shape[1] // 2
-    t_shapes = ((hidden, m), (m // BLOCK, hidden)) if transpose else ((0,), (0,))
+    if transpose:
+        return empty_row_and_column_wise(h, m, hidden)
     return (
         h.new_empty((m, hidden), dtype=FP8_DTYPE),
         h.new_empty((m, hidden // BLOCK), dtype=torch.float32),
-        h.new_empty(t_shapes[0], dtype=FP8_DTYPE),
-        h.new_empty(t_shapes[1], dtype=torch.float32),
+        h.new_empty((0,), dtype=FP8_DTYPE),
+        h.new_empty((0,), dtype=torch.float32),
     )
 
 
@@ -530,7 +531,7 @@ def launch_swiglu_quant_backward(
     h_tiles = two_h // 2 // BLOCK
     col_tiles = min(config.col_tiles or h_tiles, h_tiles)
     splits = cdiv(h_tiles, col_tiles)
-    dh, dh_scale, dh_t, dh_t_scale, partials = _allocate_backward(m, two_h, splits, probs, h.device)
+    dh, dh_scale, dh_t, dh_t_scale, partials = _allocate_backward(h, splits, probs)
     if m == 0:
         return dh, dh_scale, dh_t, dh_t_scale, partials[0]
     launch_kernel(
@@ -564,15 +565,13 @@ def launch_swiglu_quant_backward(
 
 
 def _allocate_backward(
-    m: int, two_h: int, splits: int, probs: torch.Tensor | None, device: torch.device
+    h: torch.Tensor, splits: int, probs: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward's outputs, and ``grad_probs``' partial sums: a row per column split (``[1, 0]`` without probs)."""
-    dh = torch.empty((m, two_h), dtype=FP8_DTYPE, device=device)
-    dh_scale = torch.empty((m, two_h // BLOCK), dtype=torch.float32, device=device)
-    dh_t = torch.empty((two_h, m), dtype=FP8_DTYPE, device=device)
-    dh_t_scale = torch.empty((m // BLOCK, two_h), dtype=torch.float32, device=device)
-    partials = torch.empty((splits, m) if probs is not None else (1, 0), dtype=torch.float32, device=device)
-    return dh, dh_scale, dh_t, dh_t_scale, partials
+    """The backward's outputs for ``h [M, 2H]`` (``dh`` row- and column-wise), and ``grad_probs``' partial sums:
+    a row per column split (``[1, 0]`` without probs)."""
+    m = h.shape[0]
+    partials = h.new_empty((splits, m) if probs is not None else (1, 0), dtype=torch.float32)
+    return (*empty_row_and_column_wise(h, m, h.shape[1]), partials)
 
 
 def _sum_partials(partials: torch.Tensor) -> torch.Tensor:
@@ -827,7 +826,7 @@ def launch_swiglu_quant_backward_sm90(
     check_tma_operand("h", h)
     m, two_h = h.shape
     hidden = two_h // 2
-    dh, dh_scale, dh_t, dh_t_scale, partials = _allocate_backward(m, two_h, hidden // BLOCK, probs, h.device)
+    dh, dh_scale, dh_t, dh_t_scale, partials = _allocate_backward(h, hidden // BLOCK, probs)
     tiles = (m // BLOCK) * (hidden // BLOCK)
     if tiles == 0:
         return dh, dh_scale, dh_t, dh_t_scale, partials[0]
@@ -1040,13 +1039,7 @@ def _(
     score_before_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, two_h = h.shape
-    return (
-        h.new_empty((m, two_h), dtype=FP8_DTYPE),
-        h.new_empty((m, two_h // BLOCK), dtype=torch.float32),
-        h.new_empty((two_h, m), dtype=FP8_DTYPE),
-        h.new_empty((m // BLOCK, two_h), dtype=torch.float32),
-        h.new_empty((m if probs is not None else 0,), dtype=torch.float32),
-    )
+    return (*empty_row_and_column_wise(h, m, two_h), h.new_empty((m if probs is not None else 0,), dtype=torch.float32))
 
 
 def _check_inputs(h: object, probs: object, group_end_offsets: object, score_before_experts: object) -> None:

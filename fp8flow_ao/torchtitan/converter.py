@@ -225,9 +225,9 @@ class FP8FlowConverter(ModelConverter):
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         """Drop the cached FP8 weights (``weight_cache="step"``): the optimizer just changed them.
 
-        The cache already misses on a changed version counter; this explicit drop also covers FSDP2,
-        whose all-gather into the unsharded parameters keeps their version counters, and frees the
-        stale FP8 copies before the next forward allocates new ones. Under CUDA graphs
+        Every ``torch.optim`` step already marks the cache stale (keeping its tensors until the next
+        lookup replaces them); this drop frees the stale FP8 copies right away, before evaluation or the
+        next forward allocates anything. Under CUDA graphs
         (``compile_mode = "reduce-overhead"``, never with FSDP2) the entries are marked stale instead: the
         next forward re-quantizes into the same tensors, whose addresses the graphs hold.
         """
