@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import subprocess
 import sys
 from typing import Any
@@ -13,6 +15,12 @@ from conftest import INTERPRETING
 
 from fp8flow_ao._format import BLOCK, FP8_DTYPE
 from fp8flow_ao.debug import sqnr_db  # noqa: F401  (the tests import it from here)
+
+
+def param_id(value: object) -> str:
+    """A parametrized test's id for ``value``: a function's name, else ``str``. A function's ``str`` holds its
+    address, which differs between processes: pytest-xdist's workers must collect the same ids."""
+    return getattr(value, "__name__", None) or str(value)
 
 
 def fp8_bits(t: torch.Tensor) -> torch.Tensor:
@@ -154,7 +162,7 @@ _BUILD_PRELUDE = """
 import json, multiprocessing, os, subprocess, tempfile, torch, triton
 
 def parallel_map(fn, items):
-    # fork: the children inherit the imported kernels (fn is defined in this -c script's __main__)
+    # fork: the children inherit the imported kernels (fn is defined in the compiling process's __main__)
     with multiprocessing.get_context("fork").Pool(max(1, min(len(items), os.cpu_count() or 1))) as pool:
         return pool.map(fn, items)
 
@@ -191,9 +199,9 @@ def build_every_sm90_config(
 ) -> list[list]:
     """Compile ``fp8flow_ao.kernels.<module>.<builder>(config, out_dtype, <extra>)`` for sm_90a for every
     config in ``<configs>`` and both output dtypes that fit (``<module>.sm90_smem_bytes(config, out_dtype,
-    <smem_extra>)``);
-    ``[config, dtype, shared bytes, cubin bytes, local-memory instructions (spills) in its SASS]`` per build. In a fresh process: under TRITON_INTERPRET=1 (the suite without a GPU)
-    Triton's own reduction helpers are interpreter functions, which the Gluon compiler refuses."""
+    <smem_extra>)``); ``[config, dtype, shared bytes, cubin bytes, local-memory instructions (spills) in its
+    SASS]`` per build. In the compiling process (:func:`run_compiling`): under TRITON_INTERPRET=1 (the suite
+    without a GPU) Triton's own reduction helpers are interpreter functions, which the Gluon compiler refuses."""
     code = _BUILD_EVERY_SM90_CONFIG.format(
         module=module,
         configs=configs,
@@ -206,7 +214,7 @@ def build_every_sm90_config(
 
 def build_spills(module: str, builds: list[str]) -> list[list]:
     """Compile each ``fp8flow_ao.kernels.<module>.<build>`` expression (a builder returning a compiled
-    kernel, e.g. ``build_sm90_transpose_kernel(True)``) for sm_90a in a fresh process; ``[build, shared
+    kernel, e.g. ``build_sm90_transpose_kernel(True)``) for sm_90a in the compiling process; ``[build, shared
     bytes, local-memory instructions (spills) in its SASS]`` per build."""
     code = (
         _BUILD_PRELUDE
@@ -224,11 +232,62 @@ def run_build_script(code: str) -> Any:
     return run_compiling(_BUILD_PRELUDE + code)
 
 
-def run_compiling(code: str) -> Any:
-    """Run ``code`` in a fresh process without ``TRITON_INTERPRET`` (kernels then compile: the interpreter runs
-    them without compiling, so it misses what only the compiler refuses) and return the JSON value its last
-    printed line holds."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+# The compiling process: it imports torch, Triton and the kernels once (~5 s a process on the CPU machine, 15-20
+# build scripts a suite) and then runs each script sent to it, one JSON line in, one out, as its __main__ (the
+# build scripts' pools fork it and find their functions there). Its own names stay local to _serve.
+_COMPILING_PROCESS = r"""
+import contextlib, io, json, sys, traceback
+
+def _serve(stdin=sys.stdin, stdout=sys.stdout, json=json, io=io, contextlib=contextlib, traceback=traceback):
+    namespace = sys.modules["__main__"].__dict__
+    for line in stdin:
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                exec(compile(json.loads(line), "<build script>", "exec"), namespace)
+            reply = {"stdout": printed.getvalue()}
+        except BaseException:
+            reply = {"stdout": printed.getvalue(), "error": traceback.format_exc()}
+        stdout.write(json.dumps(reply) + "\n")
+        stdout.flush()
+
+_serve()
+"""
+_compiling: subprocess.Popen | None = None
+
+
+def _compiling_process() -> subprocess.Popen:
+    """The compiling process, started on first use (again if it died), without ``TRITON_INTERPRET``."""
+    global _compiling
+    if _compiling is None or _compiling.poll() is not None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        _compiling = subprocess.Popen(
+            [sys.executable, "-c", _COMPILING_PROCESS],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # never read: a full pipe would block it
+            text=True,
+            env=env,
+        )
+        atexit.register(_compiling.kill)
+    return _compiling
+
+
+def run_compiling(code: str, timeout: float = 600.0) -> Any:
+    """Run ``code`` without ``TRITON_INTERPRET`` (kernels then compile: the interpreter runs them without compiling,
+    so it misses what only the compiler refuses), in the compiling process (a process of its own, shared by the
+    session's build scripts), and return the JSON value its last printed line holds. An exception in ``code``
+    fails the calling test with its traceback; so does a script still running after ``timeout`` seconds (the
+    process is then killed, and the next call starts another)."""
+    process = _compiling_process()
+    process.stdin.write(json.dumps(code) + "\n")
+    process.stdin.flush()
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    if not ready:
+        process.kill()
+        raise AssertionError(f"the build script ran past {timeout} s")
+    line = process.stdout.readline()
+    assert line, f"the compiling process ended (exit code {process.wait()})"
+    reply = json.loads(line)
+    assert "error" not in reply, reply["error"][-3000:]
+    return json.loads(reply["stdout"].strip().splitlines()[-1])

@@ -10,7 +10,7 @@ import torch
 import triton
 from conftest import DEVICE, INTERPRETING
 from fp8_helpers import GEMM_TOLERANCE as TOLERANCE
-from fp8_helpers import assert_fp8_equal, assert_scales_equal, build_every_sm90_config, padded_ends
+from fp8_helpers import assert_fp8_equal, assert_scales_equal, build_every_sm90_config, padded_ends, param_id
 
 from fp8flow_ao._format import BLOCK, quantize_rows_reference
 from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as mod
@@ -175,7 +175,7 @@ EVERY_CONFIG += [
 ]
 
 
-@pytest.mark.parametrize(("launcher", "config"), EVERY_CONFIG, ids=str)
+@pytest.mark.parametrize(("launcher", "config"), EVERY_CONFIG, ids=param_id)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_every_config(launcher, config, out_dtype):
     """Each launch config is correct (the autotuner, or a sweep, may pick any), on a shape with many

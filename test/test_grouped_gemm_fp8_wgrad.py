@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import DEVICE
 from fp8_helpers import GEMM_TOLERANCE as TOLERANCE
-from fp8_helpers import build_every_sm90_config, padded_ends
+from fp8_helpers import build_every_sm90_config, padded_ends, param_id
 
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels import grouped_gemm_fp8_wgrad as mod
@@ -320,7 +320,7 @@ EVERY_CONFIG += [
 ]
 
 
-@pytest.mark.parametrize(("launcher", "config"), EVERY_CONFIG, ids=str)
+@pytest.mark.parametrize(("launcher", "config"), EVERY_CONFIG, ids=param_id)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
 def test_every_config(launcher, config, out_dtype):
     """Each launch config is correct (the autotuner, or a sweep, may pick any), on a shape with many

@@ -298,30 +298,39 @@ def test_trainer_trains_both_configs_on_cpu(tmp_path: Path, corpus: Path, family
     assert not torch.distributed.is_initialized()  # the one-process group is torn down
 
 
+def _debugmodel_args(corpus: Path, dump: Path, *flags: str) -> list[str]:
+    return [
+        "--job.config_file", str(pair("deepseek_v3_debug")[1]), "--training.steps", "2", "--training.seq_len", "64",
+        "--training.local_batch_size", "2", "--training.dataset_path", str(corpus.parent),
+        "--training.mixed_precision_param", "float32", "--model.hf_assets_path", str(assets.TOKENIZER_DIR),
+        "--activation_checkpoint.selective_ac_option", "op", "--job.dump_folder", str(dump), *flags,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def eager_losses(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> list[float]:
+    """The FP8-Flow debugmodel, 2 steps, nothing compiled, no activation checkpointing (the AC test below
+    checks that AC changes no loss)."""
+    return cpu.train(_debugmodel_args(corpus, tmp_path_factory.mktemp("eager")), False)
+
+
 @pytest.mark.parametrize(
     ("mode", "recompute"),
     [("selective", False), ("full", False), ("full", True)],
     ids=["selective-op", "full", "full-recompute"],
 )
 def test_trainer_with_activation_checkpointing_matches_no_checkpointing(
-    tmp_path: Path, corpus: Path, mode: str, recompute: bool
+    tmp_path: Path, corpus: Path, eager_losses: list[float], mode: str, recompute: bool
 ) -> None:
     """torchtitan's AC around the converted blocks (per-op selective, full) and recompute_experts: same losses as none.
 
     Step 2's loss depends on step 1's gradients, so equal losses mean the recomputed forward in
     backward gave the same gradients on the FP8-Flow path (the CPU runs deterministic kernels).
     """
-    common = [
-        "--job.config_file", str(pair("deepseek_v3_debug")[1]), "--training.steps", "2", "--training.seq_len", "64",
-        "--training.local_batch_size", "2", "--training.dataset_path", str(corpus.parent),
-        "--training.mixed_precision_param", "float32", "--model.hf_assets_path", str(assets.TOKENIZER_DIR),
-        "--activation_checkpoint.selective_ac_option", "op",
-    ]  # fmt: skip
-    plain = cpu.train([*common, "--job.dump_folder", str(tmp_path / "none")], False)
     flags = ["--activation_checkpoint.mode", mode] + (["--fp8flow.recompute_experts"] if recompute else [])
-    checkpointed = cpu.train([*common, *flags, "--job.dump_folder", str(tmp_path / mode)], False)
+    checkpointed = cpu.train(_debugmodel_args(corpus, tmp_path / mode, *flags), False)
     assert len(checkpointed) == 2 and all(map(math.isfinite, checkpointed))
-    assert checkpointed == plain
+    assert checkpointed == eager_losses
 
 
 @pytest.mark.parametrize(
@@ -492,21 +501,6 @@ def torchtitan_compile_globals(monkeypatch: pytest.MonkeyPatch):
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def _debugmodel_args(corpus: Path, dump: Path, *flags: str) -> list[str]:
-    return [
-        "--job.config_file", str(pair("deepseek_v3_debug")[1]), "--training.steps", "2", "--training.seq_len", "64",
-        "--training.local_batch_size", "2", "--training.dataset_path", str(corpus.parent),
-        "--training.mixed_precision_param", "float32", "--model.hf_assets_path", str(assets.TOKENIZER_DIR),
-        "--activation_checkpoint.selective_ac_option", "op", "--job.dump_folder", str(dump), *flags,
-    ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def eager_losses(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> list[float]:
-    """The FP8-Flow debugmodel, 2 steps, nothing compiled (AC changes no loss: see the test above)."""
-    return cpu.train(_debugmodel_args(corpus, tmp_path_factory.mktemp("eager")), False)
 
 
 @pytest.mark.parametrize(
