@@ -10,6 +10,8 @@ Bytes at the algorithmic minimum (R = rows before the last group end, about M):
 
 * forward with ``transpose=True`` (``a``'s column-wise copy from the same kernel, the layer's forward when
   FC2's wgrad needs it): the forward's bytes + the copy (M * H + M/128 * H * 4).
+* backward with ``transpose=False`` (``backward_rows_only``: no FC1 wgrad to come, frozen W13): the backward's
+  bytes less the column-wise copy (M * 2H + M/128 * 2H * 4); baseline: the full backward op.
 
 Baselines (speed-up = baseline time / ours):
 * ``torch.compile(fullgraph=True, dynamic=True)`` of the torch reference (one compile for all
@@ -126,12 +128,13 @@ def forward_then_transpose(h: torch.Tensor, probs: torch.Tensor, ends: torch.Ten
     return data, scale, *scaling_aware_transpose(data, scale, ends)
 
 
-def bytes_moved(rows: int, hidden: int, valid_rows: int, backward: bool, transpose: bool = False) -> int:
-    """Each input read once (rows before the last end), each output written once (all rows)."""
+def bytes_moved(rows: int, hidden: int, valid_rows: int, backward: bool, transpose: bool) -> int:
+    """Each input read once (rows before the last end), each output written once (all rows); ``transpose``: the
+    output's column-wise copy too."""
+    copies = 2 if transpose else 1
     if not backward:
-        copies = 2 if transpose else 1
         return valid_rows * (2 * hidden * 2 + 4) + copies * rows * (hidden + hidden // BLOCK * 4)
-    return valid_rows * (3 * hidden * 2 + 4) + 2 * rows * (2 * hidden + 2 * hidden // BLOCK * 4) + rows * 4
+    return valid_rows * (3 * hidden * 2 + 4) + copies * rows * (2 * hidden + 2 * hidden // BLOCK * 4) + rows * 4
 
 
 def run_cases(sweep: bool) -> list[dict]:
@@ -147,9 +150,11 @@ def run_cases(sweep: bool) -> list[dict]:
         case = f"M={rows} H={model.hidden} E={model.experts} {routing}"
         extra = {"rows": rows, "hidden": model.hidden, "experts": model.experts, "routing": routing}
         fwd_sets = [(h, p, e) for _, h, p, e in sets]
-        fwd_bytes = bytes_moved(rows, model.hidden, valid, backward=False)
+        fwd_bytes = bytes_moved(rows, model.hidden, valid, backward=False, transpose=False)
         fwd_t_bytes = bytes_moved(rows, model.hidden, valid, backward=False, transpose=True)
-        bwd_bytes = bytes_moved(rows, model.hidden, valid, backward=True)
+        bwd_bytes = bytes_moved(rows, model.hidden, valid, backward=True, transpose=True)
+        bwd_rows_bytes = bytes_moved(rows, model.hidden, valid, backward=True, transpose=False)
+        backward_op = launch_swiglu_quant_backward if sweep else swiglu_quant_backward
         directions = [
             (
                 "forward",
@@ -175,7 +180,7 @@ def run_cases(sweep: bool) -> list[dict]:
             ),
             (
                 "backward",
-                launch_swiglu_quant_backward if sweep else swiglu_quant_backward,
+                backward_op,
                 sets,
                 bwd_bytes,
                 SWEEP_BACKWARD,
@@ -183,6 +188,14 @@ def run_cases(sweep: bool) -> list[dict]:
                     ("torch.compile reference", compiled_bwd, sets),
                     ("eager BF16 SwiGLU backward + 2x quantize_1x128", eager_backward, [s[:3] for s in sets]),
                 ],
+            ),
+            (
+                "backward_rows_only",
+                functools.partial(backward_op, transpose=False),
+                sets,
+                bwd_rows_bytes,
+                SWEEP_BACKWARD,
+                [("swiglu_quant_backward with the column-wise copy", swiglu_quant_backward, sets)],
             ),
         ]
         for direction, launch, args, nbytes, configs, baselines in directions:
@@ -206,7 +219,7 @@ def run_cases(sweep: bool) -> list[dict]:
 
 def _kernel_name(direction: str, inputs: tuple) -> str:
     """The kernel the op runs on ``inputs`` (grad_a, h, ...), by the op's own rule."""
-    if direction == "backward" and backward_takes_sm90_kernel(inputs[0], inputs[1]):
+    if direction.startswith("backward") and backward_takes_sm90_kernel(inputs[0], inputs[1]):
         return "sm90 TMA ring"
     configs = {"forward": FORWARD_CONFIG, "forward_transpose": TRANSPOSE_CONFIG}
     return f"triton {configs.get(direction, BACKWARD_CONFIG)}"

@@ -326,8 +326,11 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
             dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype, b_tile_scales=True
         )
 
-    # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and column-wise (FC1 wgrad), grad of the probs.
-    dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(grad_a, h, probs_p, offs, ctx.score_before)
+    # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and, where FC1's wgrad runs in FP8, column-wise (its
+    # operand; frozen W13: not written), grad of the probs.
+    dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(
+        grad_a, h, probs_p, offs, ctx.score_before, transpose=fp8_wgrads and wgrad_w13
+    )
     # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
     if not fp8_fc1_dgrad:
         dh_rounding = EMULATIONS.get(ctx.backward)

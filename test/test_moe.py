@@ -308,18 +308,21 @@ def test_backward_keeps_fp8_not_bf16_activations(recompute):
 
 
 class _Calls(FP8FlowOpCounter):
-    """The op counter, plus each swiglu_quant call's ``transpose`` and each quantize_128x128(_pair) call's
-    ``with_transpose``."""
+    """The op counter, plus each swiglu_quant(_backward) call's ``transpose`` and each quantize_128x128_pair
+    call's ``with_transpose``."""
+
+    # (index, default) of the flag in each op's schema
+    FLAGS = {"swiglu_quant": (4, False), "swiglu_quant_backward": (5, True), "quantize_128x128_pair": (3, False)}
 
     def __init__(self) -> None:
         super().__init__()
         self.transposes: list[tuple[str, bool]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "fp8flow" and func._opname in ("swiglu_quant", "quantize_128x128_pair"):
-            index = 4 if func._opname == "swiglu_quant" else 3
-            # the dispatcher leaves out trailing arguments that have their default (False)
-            self.transposes.append((func._opname, len(args) > index and args[index]))
+        if func.namespace == "fp8flow" and func._opname in self.FLAGS:
+            index, default = self.FLAGS[func._opname]
+            # the dispatcher leaves out trailing arguments that have their default
+            self.transposes.append((func._opname, args[index] if len(args) > index else default))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
@@ -336,7 +339,8 @@ def _experts_inputs(tokens: int = 128, dim: int = 256, hidden: int = 128, expert
 @pytest.mark.parametrize("frozen", [(0, 1, 2), (1,), (0, 2)], ids=["experts", "w2", "w13"])
 def test_frozen_weights_get_no_weight_gradient_work(frozen, recompute):
     """Frozen expert weights (fine-tuning): no wgrad GEMM and no column-wise operand for it, neither kept by
-    forward nor made in backward; every gradient asked for is the same bits as a full backward's."""
+    forward nor made in backward (a8's, x's, dy's, dh's); every gradient asked for is the same bits as a full
+    backward's."""
     x, probs, ids, weights = _experts_inputs()
     grad = torch.randn_like(x)
     kwargs = {"recompute_experts": recompute, "weight_cache": "forward"}
@@ -356,6 +360,10 @@ def test_frozen_weights_get_no_weight_gradient_work(frozen, recompute):
     w2_trains = 1 not in frozen
     expected = [w2_trains and not recompute, *([w2_trains] if recompute else [])]
     assert [t for name, t in calls.transposes if name == "swiglu_quant"] == expected
+    # dh's column-wise copy (FC1's wgrad operand) only where W13 trains
+    assert [t for name, t in calls.transposes if name == "swiglu_quant_backward"] == [
+        0 not in frozen or 2 not in frozen
+    ]
 
 
 def test_inference_makes_no_backward_operands():

@@ -92,10 +92,12 @@ def _assert_forward_matches(h, probs, ends, before: bool = False) -> tuple[torch
     return data, scale
 
 
-def _backward(grad_a, h, probs, ends, before: bool = False, kernel: str = "triton", **config) -> tuple:
+def _backward(
+    grad_a, h, probs, ends, before: bool = False, kernel: str = "triton", transpose: bool = True, **config
+) -> tuple:
     if kernel == "sm90":
-        return launch_swiglu_quant_backward_sm90(grad_a, h, probs, ends, before)
-    return launch_swiglu_quant_backward(grad_a, h, probs, ends, before, **config)
+        return launch_swiglu_quant_backward_sm90(grad_a, h, probs, ends, before, transpose)
+    return launch_swiglu_quant_backward(grad_a, h, probs, ends, before, transpose, **config)
 
 
 def _assert_backward_matches(grad_a, h, probs, ends, before: bool = False, **kw) -> tuple[torch.Tensor, ...]:
@@ -156,6 +158,29 @@ def test_backward_matches_reference(group, mode, kernel):
     assert grad_probs.shape == ((m,) if with_probs else (0,))
     if with_probs:
         assert not bool(grad_probs[past].any())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("mode", ["after", "before"])
+def test_backward_without_transpose_writes_the_same_rows(mode, kernel):
+    """``transpose=False`` (no FC1 wgrad to come, e.g. frozen W13): the row-wise ``dh`` and ``grad_probs`` bit for
+    bit those of the full backward, no column-wise pair (empty tensors from the kernels, ``None`` from the public
+    function); the reference agrees."""
+    m, hidden, counts = GROUPS["skewed_empty_past_end"]
+    h, grad_a, probs = _inputs(m, hidden)
+    ends, before = _ends(counts), PROB_MODES[mode][1]
+    full = _backward(grad_a, h, probs, ends, before, kernel)
+    rows = _backward(grad_a, h, probs, ends, before, kernel, transpose=False)
+    _assert_identical((*rows[:2], rows[4]), (*full[:2], full[4]))
+    assert [tuple(t.shape) for t in rows[2:4]] == [(0,), (0,)]
+    ref = swiglu_quant_backward_reference(grad_a.cpu(), h.cpu(), probs.cpu(), ends.cpu(), before, transpose=False)
+    assert [tuple(t.shape) for t in ref[2:4]] == [(0,), (0,)]
+    assert_scales_equal(rows[1], ref[1], "dh_scale")
+    assert_fp8_close(rows[0], ref[0], MIN_EXACT, "dh")
+    public = swiglu_quant_backward(grad_a, h, probs, ends, before, transpose=False)
+    assert public[2] is None and public[3] is None
+    full_public = swiglu_quant_backward(grad_a, h, probs, ends, before)  # on the CPU: the reference
+    _assert_identical((*public[:2], public[4]), (*full_public[:2], full_public[4]))
 
 
 @pytest.mark.parametrize("config", backward_configs(), ids=str)
@@ -322,14 +347,15 @@ def test_sm90_kernel_builds_for_hopper():
 
     most = 0 if triton.__version__.startswith("3.6.") else 300
     forms = [(True, False, True), (False, False, True), (True, True, True), (True, False, False)]
+    forms += [(True, False, True, torch.bfloat16, False)]  # without the column-wise copy (frozen W13)
     built = build_spills("swiglu_quant", [f"build_sm90_swiglu_backward_kernel{f}" for f in forms])
     assert all(shared <= SM90_SMEM_BYTES and spills <= most for _, shared, spills in built), built
 
 
 def test_sm90_kernel_refuses_inputs_other_than_bf16():
     """The Hopper kernel widens its tiles by their bits (bf16 is the high half of an fp32): another input
-    dtype stops its build with a message instead of computing from misread bits (compiled in a fresh process:
-    the interpreter does not compile)."""
+    dtype stops its build with a message instead of computing from misread bits (compiled in the compiling
+    process: the interpreter does not compile)."""
     refused = run_compiling(
         "import json, torch\n"
         "from fp8flow_ao.kernels.swiglu_quant import build_sm90_swiglu_backward_kernel\n"
@@ -398,6 +424,8 @@ def test_public_ops_and_compile(extras):
     assert (eager_bwd[4] is None) == (not with_extras)
     compiled_bwd = torch.compile(swiglu_quant_backward, fullgraph=True)(grad_a, h, probs, ends, before)
     _assert_identical(compiled_bwd, eager_bwd)
+    rows_only = torch.compile(swiglu_quant_backward, fullgraph=True)(grad_a, h, probs, ends, before, transpose=False)
+    _assert_identical(rows_only, (*eager_bwd[:2], None, None, eager_bwd[4]))
     # the public ops agree with the references (on a GPU: the Triton kernels)
     ref = swiglu_quant_reference(h.cpu(), _cpu(probs), _cpu(ends), before)
     assert_scales_equal(eager[1], ref[1])
@@ -413,7 +441,9 @@ def test_opcheck(extras):
     ends = _ends([130, 0]) if with_extras else None
     for transpose in (False, True):
         torch.library.opcheck(torch.ops.fp8flow.swiglu_quant.default, (h, probs, ends, before, transpose))
-    torch.library.opcheck(torch.ops.fp8flow.swiglu_quant_backward.default, (grad_a, h, probs, ends, before))
+    for transpose in (False, True):
+        args = (grad_a, h, probs, ends, before, transpose)
+        torch.library.opcheck(torch.ops.fp8flow.swiglu_quant_backward.default, args)
 
 
 def _bf16(*shape: int) -> torch.Tensor:
@@ -451,6 +481,8 @@ def test_bad_input(args, error, match):
 def test_bad_transpose_flag():
     with pytest.raises(TypeError, match="transpose must be a bool"):
         swiglu_quant(_bf16(128, 256), None, None, False, 1)
+    with pytest.raises(TypeError, match="transpose must be a bool"):
+        swiglu_quant_backward(_bf16(128, 128), _bf16(128, 256), transpose=0)
 
 
 _BUILD_FORWARD = """

@@ -27,7 +27,8 @@ Before the experts, with ``g' = p * g`` and ``u' = p * u`` (SwiGLU's inputs) and
     grad_probs[m] = sum_h (t_gate * g + t_up * u) = sum_h grad_a * u * g' * (s + dsilu)
 
 ``dh = [d_gate | d_up]`` goes straight to E4M3 twice from the same fp32 values: row-wise (FC1 dgrad)
-and column-wise, physically transposed (FC1 wgrad). One kernel, no BF16 ``dh``.
+and column-wise, physically transposed (FC1 wgrad; ``transpose=False`` skips it where no FC1 wgrad runs,
+e.g. frozen expert weights). One kernel, no BF16 ``dh``.
 
 Where the work is saved: the backward recomputes ``sigmoid(gate)`` from ``h`` (an exp and a
 division per element) instead of reading anything more that the forward could have stored (4 more
@@ -349,12 +350,14 @@ def _dh_slice(
 
 
 @triton.jit
-def _store_both_ways(x0, x1, x2, x3, row0, rows, ok0, ok1, ok2, ok3, col0, end, M, two_h, out_ptrs):
+def _store_both_ways(
+    x0, x1, x2, x3, row0, rows, ok0, ok1, ok2, ok3, col0, end, M, two_h, out_ptrs, TRANSPOSE: tl.constexpr
+):
     """Quantize one fp32 128-row x 128-column tile of ``dh`` (columns ``col0 + [0, 128)``), held as four
     row slices (``x<b>``: rows ``rows + b``, computed where ``ok<b>``), both ways: row-wise into ``dh``,
-    column-wise (transposed, tokens contiguous) into ``dh_t`` with its scales in the row of column-wise
-    scales of this 128-row block. Both from the same fp32 values. ``out_ptrs``: ``(dh, dh_scale, dh_t,
-    that scale row)``."""
+    and with ``TRANSPOSE`` column-wise (transposed, tokens contiguous) into ``dh_t`` with its scales in the
+    row of column-wise scales of this 128-row block. Both from the same fp32 values. ``out_ptrs``: ``(dh,
+    dh_scale, dh_t, that scale row)``."""
     dh_ptr, dh_scale_ptr, dh_t_ptr, scale_t_row_ptr = out_ptrs
     width: tl.constexpr = 4 * x0.shape[0]
     cols64 = (col0 + tl.arange(0, width)).to(tl.int64)
@@ -364,7 +367,8 @@ def _store_both_ways(x0, x1, x2, x3, row0, rows, ok0, ok1, ok2, ok3, col0, end, 
     store_rowwise(x1, rows + 1, ok1, dh_ptr, dh_scale_ptr, cols64, two_h, per_row, tile)
     store_rowwise(x2, rows + 2, ok2, dh_ptr, dh_scale_ptr, cols64, two_h, per_row, tile)
     store_rowwise(x3, rows + 3, ok3, dh_ptr, dh_scale_ptr, cols64, two_h, per_row, tile)
-    store_colwise_transposed(x0, x1, x2, x3, row0, cols64, M, dh_t_ptr, scale_t_row_ptr, row0 < end)
+    if TRANSPOSE:
+        store_colwise_transposed(x0, x1, x2, x3, row0, cols64, M, dh_t_ptr, scale_t_row_ptr, row0 < end)
 
 
 @triton.jit
@@ -391,10 +395,11 @@ def _swiglu_quant_backward_kernel(
     BLOCK_H: tl.constexpr,
     COL_TILES: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
 ):
     """One program: one 128-row block x ``COL_TILES`` 128-column tiles of H (program axis 1 picks
-    which); writes the d_gate and d_up tiles of both ``dh`` layouts and the block's partial
-    ``grad_probs`` over those columns (row ``program_id(1)`` of ``grad_probs_ptr [S, M]``).
+    which); writes the d_gate and d_up tiles of ``dh`` row-wise and, with ``TRANSPOSE``, column-wise, and the
+    block's partial ``grad_probs`` over those columns (row ``program_id(1)`` of ``grad_probs_ptr [S, M]``).
 
     The block is held as four 32-row slices (rows ``4q + b``), so that the column-wise data is
     transposed by :func:`~fp8flow_ao.kernels._triton_common.transpose_row_slices` (4 bytes at a time
@@ -436,8 +441,9 @@ def _swiglu_quant_backward_kernel(
         gp2 += t2
         gp3 += t3
         # d_gate first: only d_up stays live across its quantization (fewest registers).
-        _store_both_ways(g0, g1, g2, g3, row0, rows, ok0, ok1, ok2, ok3, col0, end, M, 2 * H, out_ptrs)
-        _store_both_ways(u0, u1, u2, u3, row0, rows, ok0, ok1, ok2, ok3, H + col0, end, M, 2 * H, out_ptrs)
+        ok = (ok0, ok1, ok2, ok3)
+        _store_both_ways(g0, g1, g2, g3, row0, rows, *ok, col0, end, M, 2 * H, out_ptrs, TRANSPOSE)
+        _store_both_ways(u0, u1, u2, u3, row0, rows, *ok, H + col0, end, M, 2 * H, out_ptrs, TRANSPOSE)
     if HAS_PROBS:
         partial = grad_probs_ptr + pid_s.to(tl.int64) * M + rows
         tl.store(partial, gp0)
@@ -463,18 +469,20 @@ def _kernel_flags(
     }
 
 
-def _allocate_forward(h: torch.Tensor, transpose: bool) -> tuple[torch.Tensor, ...]:
-    """The forward's outputs for ``h [M, 2H]``: ``a`` row-wise, and column-wise with ``transpose`` (else a pair
-    of empty ``(0,)`` tensors)."""
-    m, hidden = h.shape[0], h.shape[1] // 2
+def _no_column_wise(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column-wise pair's place without ``transpose``: empty ``(0,)`` tensors (custom ops return no ``None``)."""
+    return h.new_empty((0,), dtype=FP8_DTYPE), h.new_empty((0,), dtype=torch.float32)
+
+
+def _allocate_outputs(h: torch.Tensor, width: int, transpose: bool) -> tuple[torch.Tensor, ...]:
+    """E4M3 ``[M, width]`` row-wise with its scales, and column-wise with ``transpose`` (else
+    :func:`_no_column_wise`), for ``h``'s ``M`` rows: the forward's ``a`` (``width = H``), the backward's ``dh``
+    (``2H``)."""
+    m = h.shape[0]
     if transpose:
-        return empty_row_and_column_wise(h, m, hidden)
-    return (
-        h.new_empty((m, hidden), dtype=FP8_DTYPE),
-        h.new_empty((m, hidden // BLOCK), dtype=torch.float32),
-        h.new_empty((0,), dtype=FP8_DTYPE),
-        h.new_empty((0,), dtype=torch.float32),
-    )
+        return empty_row_and_column_wise(h, m, width)
+    row_wise = h.new_empty((m, width), dtype=FP8_DTYPE), h.new_empty((m, width // BLOCK), dtype=torch.float32)
+    return *row_wise, *_no_column_wise(h)
 
 
 def launch_swiglu_quant(
@@ -494,7 +502,7 @@ def launch_swiglu_quant(
         raise ValueError(f"the forward{' with transpose' if transpose else ''} needs {need}, got {config}")
     m, two_h = h.shape
     hidden = two_h // 2
-    out = _allocate_forward(h, transpose)
+    out = _allocate_outputs(h, hidden, transpose)
     if m == 0:
         return out
     args = (h, h if probs is None else probs, h if group_end_offsets is None else group_end_offsets)
@@ -521,17 +529,19 @@ def launch_swiglu_quant_backward(
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
     score_before_experts: bool = False,
+    transpose: bool = True,
     config: LaunchConfig = BACKWARD_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton launcher (GPU, or CPU under ``TRITON_INTERPRET=1``). Same contract as the op
-    ``fp8flow::swiglu_quant_backward`` (``grad_probs`` is an empty tensor without ``probs``)."""
+    ``fp8flow::swiglu_quant_backward`` (``grad_probs`` is an empty tensor without ``probs``; the column-wise pair
+    empty ``(0,)`` tensors without ``transpose``)."""
     if config.block_m != BLOCK:
         raise ValueError(f"the backward needs block_m == {BLOCK} (one column-wise scale block), got {config}")
     m, two_h = h.shape
     h_tiles = two_h // 2 // BLOCK
     col_tiles = min(config.col_tiles or h_tiles, h_tiles)
     splits = cdiv(h_tiles, col_tiles)
-    dh, dh_scale, dh_t, dh_t_scale, partials = _allocate_backward(h, splits, probs)
+    dh, dh_scale, dh_t, dh_t_scale, partials = _allocate_backward(h, splits, probs, transpose)
     if m == 0:
         return dh, dh_scale, dh_t, dh_t_scale, partials[0]
     launch_kernel(
@@ -543,8 +553,8 @@ def launch_swiglu_quant_backward(
         h if group_end_offsets is None else group_end_offsets,
         dh,
         dh_scale,
-        dh_t,
-        dh_t_scale,
+        dh_t if transpose else dh,  # without the transpose these pointers are never written
+        dh_t_scale if transpose else dh_scale,
         h if probs is None else partials,
         m,
         two_h // 2,
@@ -557,6 +567,7 @@ def launch_swiglu_quant_backward(
         BLOCK_H=BLOCK,
         COL_TILES=col_tiles,
         NUM_STAGES=config.num_stages,
+        TRANSPOSE=transpose,
         num_warps=config.num_warps,
         maxnreg=config.maxnreg,
         enable_fp_fusion=False,  # no fma contraction: the same roundings as the reference
@@ -565,13 +576,13 @@ def launch_swiglu_quant_backward(
 
 
 def _allocate_backward(
-    h: torch.Tensor, splits: int, probs: torch.Tensor | None
+    h: torch.Tensor, splits: int, probs: torch.Tensor | None, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward's outputs for ``h [M, 2H]`` (``dh`` row- and column-wise), and ``grad_probs``' partial sums:
-    a row per column split (``[1, 0]`` without probs)."""
+    """The backward's outputs for ``h [M, 2H]`` (``dh`` row-wise, and column-wise with ``transpose``), and
+    ``grad_probs``' partial sums: a row per column split (``[1, 0]`` without probs)."""
     m = h.shape[0]
     partials = h.new_empty((splits, m) if probs is not None else (1, 0), dtype=torch.float32)
-    return (*empty_row_and_column_wise(h, m, h.shape[1]), partials)
+    return (*_allocate_outputs(h, h.shape[1], transpose), partials)
 
 
 def _sum_partials(partials: torch.Tensor) -> torch.Tensor:
@@ -639,10 +650,10 @@ def _sm90_scales(amax, layout: gl.constexpr):
 
 
 @gluon.jit
-def _sm90_store_both_ways(x, row0, col0, end, tensors):
+def _sm90_store_both_ways(x, row0, col0, end, tensors, TRANSPOSE: gl.constexpr):
     """Quantize the fp32 128 x 128 tile ``x`` of ``dh`` (rows ``row0 + [0, 128)``, columns ``col0 + [0, 128)``;
-    zero in rows at or past ``end``) row-wise into ``dh`` and column-wise, transposed, into ``dh_t``, with
-    their scales, straight from registers. ``tensors`` as for ``_swiglu_bwd_sm90_partition``."""
+    zero in rows at or past ``end``) row-wise into ``dh`` and, with ``TRANSPOSE``, column-wise, transposed, into
+    ``dh_t``, with their scales, straight from registers. ``tensors`` as for ``_swiglu_bwd_sm90_partition``."""
     dh_ptr, dh_scale_ptr, dh_t_ptr, dh_t_scale_ptr, probs_ptr, partials_ptr, offsets_ptr, M, H, num_groups = tensors
     row_layout: gl.constexpr = gl.SliceLayout(1, _SM90_TILE_LAYOUT)
     col_layout: gl.constexpr = gl.SliceLayout(0, _SM90_TILE_LAYOUT)
@@ -654,15 +665,16 @@ def _sm90_store_both_ways(x, row0, col0, end, tensors):
     gl.store(dh_ptr + rows64[:, None] * (2 * H) + cols[None, :], (x * scale[:, None]).to(gl.float8e4nv))
     scale_rows = (row0 + i).to(gl.int64) * (2 * H // SM90_BLOCK) + col0 // SM90_BLOCK
     gl.store(dh_scale_ptr + scale_rows, gl.where(row0 + i < end, scale_inv, 0.0))
-    scale_inv, scale = _sm90_scales(gl.max(gl.abs(x), axis=0), col_layout)
-    # The permute renames registers (each thread's 8 values of a column are 8 consecutive tokens); the
-    # conversion only orders them for 8-byte stores.
-    q_t = gl.convert_layout(gl.permute((x * scale[None, :]).to(gl.float8e4nv), (1, 0)), _SM90_TILE_LAYOUT_T)
-    cols_t = col0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(1, _SM90_TILE_LAYOUT_T))
-    tokens = row0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(0, _SM90_TILE_LAYOUT_T))
-    gl.store(dh_t_ptr + cols_t.to(gl.int64)[:, None] * M + tokens[None, :], q_t)
-    block_ok = gl.zeros_like(i) + row0 < end
-    gl.store(dh_t_scale_ptr + (row0 // SM90_BLOCK) * (2 * H) + col0 + i, gl.where(block_ok, scale_inv, 0.0))
+    if TRANSPOSE:
+        scale_inv, scale = _sm90_scales(gl.max(gl.abs(x), axis=0), col_layout)
+        # The permute renames registers (each thread's 8 values of a column are 8 consecutive tokens); the
+        # conversion only orders them for 8-byte stores.
+        q_t = gl.convert_layout(gl.permute((x * scale[None, :]).to(gl.float8e4nv), (1, 0)), _SM90_TILE_LAYOUT_T)
+        cols_t = col0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(1, _SM90_TILE_LAYOUT_T))
+        tokens = row0 + gl.arange(0, SM90_BLOCK, layout=gl.SliceLayout(0, _SM90_TILE_LAYOUT_T))
+        gl.store(dh_t_ptr + cols_t.to(gl.int64)[:, None] * M + tokens[None, :], q_t)
+        block_ok = gl.zeros_like(i) + row0 < end
+        gl.store(dh_t_scale_ptr + (row0 // SM90_BLOCK) * (2 * H) + col0 + i, gl.where(block_ok, scale_inv, 0.0))
 
 
 @gluon.jit
@@ -683,7 +695,12 @@ def _sm90_zero_rows_past_end(in_bufs, s, row0, end):
 
 @gluon.jit
 def _swiglu_bwd_sm90_partition(
-    HAS_PROBS: gl.constexpr, SCORE_BEFORE_EXPERTS: gl.constexpr, HAS_OFFSETS: gl.constexpr, ring, tensors
+    HAS_PROBS: gl.constexpr,
+    SCORE_BEFORE_EXPERTS: gl.constexpr,
+    HAS_OFFSETS: gl.constexpr,
+    TRANSPOSE: gl.constexpr,
+    ring,
+    tensors,
 ):
     """8 warps: the program's landed tiles in turn. ``ring = (in_bufs, ready, empty)``; ``tensors = (dh,
     dh_scale, dh_t, dh_t_scale, probs, partials, offsets, M, H, num_groups)``.
@@ -713,8 +730,8 @@ def _swiglu_bwd_sm90_partition(
         d_gate, d_up, terms = _dh_math(ga, g, u, p, HAS_PROBS, SCORE_BEFORE_EXPERTS, True)
         if HAS_PROBS:
             gl.store(partials_ptr + hb * M + row0 + r, gl.sum(terms, axis=1))
-        _sm90_store_both_ways(d_gate, row0, hb * SM90_BLOCK, end, tensors)
-        _sm90_store_both_ways(d_up, row0, H + hb * SM90_BLOCK, end, tensors)
+        _sm90_store_both_ways(d_gate, row0, hb * SM90_BLOCK, end, tensors, TRANSPOSE)
+        _sm90_store_both_ways(d_up, row0, H + hb * SM90_BLOCK, end, tensors, TRANSPOSE)
 
 
 @gluon.jit
@@ -735,10 +752,11 @@ def _swiglu_quant_backward_sm90_kernel(
     SCORE_BEFORE_EXPERTS: gl.constexpr,
     HAS_OFFSETS: gl.constexpr,
     STAGES: gl.constexpr,
+    TRANSPOSE: gl.constexpr,
 ):
     """Persistent: program ``p`` takes the tiles ``p, p + programs, ...`` of the ``[M / 128, H / 128]`` grid (row
     tile major). One loader warp keeps ``STAGES`` tiles' three input boxes in flight (``tile_ring_loader``); the
-    8-warp default partition computes and stores each landed tile."""
+    8-warp default partition computes and stores each landed tile (``dh`` column-wise too with ``TRANSPOSE``)."""
     # _sm90_f32_tile widens the tiles by their bits, which holds for bf16 only (the op's one input dtype)
     gl.static_assert(ga_desc.dtype == gl.bfloat16 and h_desc.dtype == gl.bfloat16, "grad_a and h must be bf16")
     in_bufs = gl.allocate_shared_memory(ga_desc.dtype, [3 * STAGES] + ga_desc.block_type.shape, ga_desc.layout)
@@ -753,7 +771,7 @@ def _swiglu_quant_backward_sm90_kernel(
     # Constexprs spelled out: Gluon keeps them only in literal argument tuples.
     gl.warp_specialize(
         [
-            (_swiglu_bwd_sm90_partition, (HAS_PROBS, SCORE_BEFORE_EXPERTS, HAS_OFFSETS, ring, tensors)),
+            (_swiglu_bwd_sm90_partition, (HAS_PROBS, SCORE_BEFORE_EXPERTS, HAS_OFFSETS, TRANSPOSE, ring, tensors)),
             (tile_ring_loader, (sources, in_bufs, ready, empty, offsets_ptr, M, H, num_groups, HAS_OFFSETS)),
         ],
         [1],
@@ -766,6 +784,7 @@ def build_sm90_swiglu_backward_kernel(
     score_before_experts: bool = False,
     has_offsets: bool = True,
     dtype: torch.dtype = torch.bfloat16,
+    transpose: bool = True,
 ) -> Any:
     """Compile the Hopper kernel for sm_90a without a GPU (see
     :func:`~fp8flow_ao.kernels._sm90_common.compile_for_sm90`), as a launch with these flags and inputs of
@@ -783,13 +802,14 @@ def build_sm90_swiglu_backward_kernel(
         "partials_ptr": fp32,
         "offsets_ptr": "*i32" if has_offsets else fp32,
         **dict.fromkeys(("M", "H", "num_groups"), "i32"),
-        **dict.fromkeys(("HAS_PROBS", "SCORE_BEFORE_EXPERTS", "HAS_OFFSETS", "STAGES"), "constexpr"),
+        **dict.fromkeys(("HAS_PROBS", "SCORE_BEFORE_EXPERTS", "HAS_OFFSETS", "STAGES", "TRANSPOSE"), "constexpr"),
     }
     constexprs = {
         "HAS_PROBS": has_probs,
         "SCORE_BEFORE_EXPERTS": score_before_experts,
         "HAS_OFFSETS": has_offsets,
         "STAGES": SM90_STAGES,
+        "TRANSPOSE": transpose,
     }
     return compile_for_sm90(
         _swiglu_quant_backward_sm90_kernel,
@@ -808,6 +828,7 @@ def launch_swiglu_quant_backward_sm90(
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
     score_before_experts: bool = False,
+    transpose: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gluon launcher (Hopper GPUs only; bf16 ``grad_a`` and ``h`` whose bases and row strides lie on 16-byte
     boundaries, TMA's rule). Same contract and formulas as :func:`launch_swiglu_quant_backward`, same bits for ``dh``
@@ -826,7 +847,7 @@ def launch_swiglu_quant_backward_sm90(
     check_tma_operand("h", h)
     m, two_h = h.shape
     hidden = two_h // 2
-    dh, dh_scale, dh_t, dh_t_scale, partials = _allocate_backward(h, hidden // BLOCK, probs)
+    dh, dh_scale, dh_t, dh_t_scale, partials = _allocate_backward(h, hidden // BLOCK, probs, transpose)
     tiles = (m // BLOCK) * (hidden // BLOCK)
     if tiles == 0:
         return dh, dh_scale, dh_t, dh_t_scale, partials[0]
@@ -838,8 +859,8 @@ def launch_swiglu_quant_backward_sm90(
         descriptor(h, (BLOCK, BLOCK)),
         dh,
         dh_scale,
-        dh_t,
-        dh_t_scale,
+        dh_t if transpose else dh,  # without the transpose these pointers are never written
+        dh_t_scale if transpose else dh_scale,
         dh_scale if probs is None else probs,
         dh_scale if probs is None else partials,
         group_end_offsets if has_offsets else dh_scale,
@@ -848,6 +869,7 @@ def launch_swiglu_quant_backward_sm90(
         group_end_offsets.shape[0] if has_offsets else 0,
         **_kernel_flags(probs, group_end_offsets, score_before_experts),
         STAGES=SM90_STAGES,
+        TRANSPOSE=transpose,
         num_warps=SM90_WARPS.value,
         enable_fp_fusion=False,  # no fma contraction: the same roundings as the reference
     )
@@ -860,13 +882,14 @@ def _launch_backward_op_kernel(
     probs: torch.Tensor | None,
     group_end_offsets: torch.Tensor | None,
     score_before_experts: bool = False,
+    transpose: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's CUDA kernel: the Hopper TMA kernel where :func:`backward_takes_sm90_kernel`, the Triton kernel
     otherwise. Same ``dh`` bits."""
     launcher = (
         launch_swiglu_quant_backward_sm90 if backward_takes_sm90_kernel(grad_a, h) else launch_swiglu_quant_backward
     )
-    return launcher(grad_a, h, probs, group_end_offsets, score_before_experts)
+    return launcher(grad_a, h, probs, group_end_offsets, score_before_experts, transpose)
 
 
 def backward_takes_sm90_kernel(grad_a: torch.Tensor, h: torch.Tensor) -> bool:
@@ -915,7 +938,7 @@ def swiglu_quant_reference(
     )
     scale_inv = torch.where(rows_ok[:, None], scale_inv, 0.0)
     if not transpose:
-        return data, scale_inv, *_allocate_forward(h, False)[2:]
+        return data, scale_inv, *_no_column_wise(h)
     return data, scale_inv, *scaling_aware_transpose_reference(data, scale_inv, group_end_offsets)
 
 
@@ -981,14 +1004,18 @@ def swiglu_quant_backward_reference(
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
     score_before_experts: bool = False,
+    transpose: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch reference of the op ``fp8flow::swiglu_quant_backward`` (``grad_probs`` empty without ``probs``)."""
+    """Torch reference of the op ``fp8flow::swiglu_quant_backward`` (``grad_probs`` empty without ``probs``; the
+    column-wise pair empty ``(0,)`` tensors without ``transpose``)."""
     rows_ok = _rows_computed(h.shape[0], group_end_offsets, h.device)
     d_gate, d_up, grad_probs = swiglu_backward_reference(grad_a, h, probs, group_end_offsets, score_before_experts)
     dh = torch.cat([d_gate, d_up], dim=1)
     dh_data, dh_scale = quantize_rows_reference(dh, BLOCK)
-    dh_t_data, dh_t_scale = _quantize_columns_reference(dh, rows_ok)
-    return dh_data, torch.where(rows_ok[:, None], dh_scale, 0.0), dh_t_data, dh_t_scale, grad_probs
+    dh_scale = torch.where(rows_ok[:, None], dh_scale, 0.0)
+    if not transpose:
+        return dh_data, dh_scale, *_no_column_wise(h), grad_probs
+    return dh_data, dh_scale, *_quantize_columns_reference(dh, rows_ok), grad_probs
 
 
 @define_op("swiglu_quant")
@@ -1013,7 +1040,7 @@ def _(
     score_before_experts: bool = False,
     transpose: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _allocate_forward(h, transpose)
+    return _allocate_outputs(h, h.shape[1] // 2, transpose)
 
 
 @define_op("swiglu_quant_backward")
@@ -1023,8 +1050,9 @@ def _swiglu_quant_backward_op(
     probs: torch.Tensor | None,
     group_end_offsets: torch.Tensor | None,
     score_before_experts: bool = False,
+    transpose: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return swiglu_quant_backward_reference(grad_a, h, probs, group_end_offsets, score_before_experts)
+    return swiglu_quant_backward_reference(grad_a, h, probs, group_end_offsets, score_before_experts, transpose)
 
 
 _swiglu_quant_backward_op.register_kernel("cuda")(_launch_backward_op_kernel)
@@ -1037,9 +1065,10 @@ def _(
     probs: torch.Tensor | None,
     group_end_offsets: torch.Tensor | None,
     score_before_experts: bool = False,
+    transpose: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, two_h = h.shape
-    return (*empty_row_and_column_wise(h, m, two_h), h.new_empty((m if probs is not None else 0,), dtype=torch.float32))
+    return (*_allocate_outputs(h, two_h, transpose), h.new_empty((m if probs is not None else 0,), dtype=torch.float32))
 
 
 def _check_inputs(h: object, probs: object, group_end_offsets: object, score_before_experts: object) -> None:
@@ -1110,12 +1139,16 @@ def swiglu_quant_backward(
     probs: torch.Tensor | None = None,
     group_end_offsets: torch.Tensor | None = None,
     score_before_experts: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    *,
+    transpose: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """SwiGLU backward: ``dh = [d_gate | d_up]`` in fp32, quantized to E4M3 row-wise and column-wise.
 
     Args:
         grad_a: gradient of :func:`swiglu_quant`'s ``a`` (FC2's dgrad), BF16 ``[M, H]`` row-major.
         h, probs, group_end_offsets, score_before_experts: as for :func:`swiglu_quant` (the forward's inputs).
+        transpose: also write ``dh`` column-wise, the FC1 wgrad's operand (``False``: no weight gradient of
+            FC1 to compute, e.g. frozen expert weights; the row-wise outputs and ``grad_probs`` are the same bits).
 
     Returns:
         ``(dh_data, dh_scale, dh_t_data, dh_t_scale, grad_probs)``:
@@ -1123,7 +1156,8 @@ def swiglu_quant_backward(
         * ``dh_data`` E4M3 ``[M, 2H]`` row-major + ``dh_scale`` fp32 ``[M, 2H / 128]``: 1x128
           row-wise blocks (FC1 dgrad's operand).
         * ``dh_t_data`` E4M3 ``[2H, M]`` (``dh`` transposed: tokens contiguous) + ``dh_t_scale``
-          fp32 ``[M / 128, 2H]``: one scale per (128-row block, column) (FC1 wgrad's operand).
+          fp32 ``[M / 128, 2H]``: one scale per (128-row block, column) (FC1 wgrad's operand); both ``None``
+          without ``transpose``.
         * ``grad_probs`` fp32 ``[M]`` (``sum_h grad_a * d a / d prob``: ``grad_a * silu(gate) * up``
           after the experts), or ``None`` without ``probs``.
 
@@ -1135,6 +1169,10 @@ def swiglu_quant_backward(
     check_row_major("grad_a", grad_a)
     check_shape("grad_a", grad_a, (h.shape[0], h.shape[1] // 2))
     check_same_device(grad_a=grad_a, h=h)
+    check_bool("transpose", transpose)
     check_no_grad("swiglu_quant_backward", grad_a, h, probs)
-    *dh, grad_probs = torch.ops.fp8flow.swiglu_quant_backward(grad_a, h, probs, group_end_offsets, score_before_experts)
-    return (*dh, grad_probs if probs is not None else None)
+    dh, dh_scale, dh_t, dh_t_scale, grad_probs = torch.ops.fp8flow.swiglu_quant_backward(
+        grad_a, h, probs, group_end_offsets, score_before_experts, transpose
+    )
+    column_wise = (dh_t, dh_t_scale) if transpose else (None, None)
+    return dh, dh_scale, *column_wise, grad_probs if probs is not None else None
