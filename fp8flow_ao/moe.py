@@ -291,12 +291,12 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
         if ctx.recompute
         else None
     )
-    wgrad_w2, wgrad_w13 = ctx.wgrads  # (a frozen weight gets no gradient: None)
+    # Which weight gradients run in FP8 here: none for a frozen weight; "bf16_wgrad" computes them in BF16.
+    fp8_wgrad_w2, fp8_wgrad_w13 = (fp8_wgrads and wanted for wanted in ctx.wgrads)
     grad_w2 = grad_w13 = None
     if ctx.recompute:
         xp, xp_scale = _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k)
-        keep_a_t = fp8_wgrads and wgrad_w2
-        h, _, _, *a_t = _fc1_swiglu(xp, xp_scale, qw13.fc1(), probs_p, offs, ctx.score_before, keep_a_t)
+        h, _, _, *a_t = _fc1_swiglu(xp, xp_scale, qw13.fc1(), probs_p, offs, ctx.score_before, fp8_wgrad_w2)
         del xp, xp_scale
     else:
         h, *a_t = fc1_saved
@@ -315,7 +315,7 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
     qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2", in_gemm=in_gemm)
     grad_a = _expert_gemm(dyp, dyp_scale, qw2.fc2_dgrad(), offs)
     del qw2
-    if fp8_wgrads and wgrad_w2:
+    if fp8_wgrad_w2:
         # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
         dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
         a_t, a_t_scale = a_t  # made with a8 by swiglu_quant(transpose=True)
@@ -329,7 +329,7 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
     # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and, where FC1's wgrad runs in FP8, column-wise (its
     # operand; frozen W13: not written), grad of the probs.
     dh, dh_scale, dh_t, dh_t_scale, grad_probs_p = swiglu_quant_backward(
-        grad_a, h, probs_p, offs, ctx.score_before, transpose=fp8_wgrads and wgrad_w13
+        grad_a, h, probs_p, offs, ctx.score_before, transpose=fp8_wgrad_w13
     )
     # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
     if not fp8_fc1_dgrad:
@@ -344,7 +344,7 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
     # transpose itself (the permuted rows are never written in backward). Stored as
     # [2, E, H, D], so w1's and w3's gradients are contiguous: halves of [E, 2H, D] would be strided
     # views, which autograd copies into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
-    if fp8_wgrads and wgrad_w13:
+    if fp8_wgrad_w13:
         xp_t, xp_t_scale = scaling_aware_transpose(rows, rows_scale, offs, src_rows, rows_k)
         grad_w13 = grouped_gemm_fp8_wgrad(
             dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2, b_tile_scales=True
