@@ -25,8 +25,8 @@ a ``ValueError``.
 
 Weight gradient: written in the weight's dtype by the wgrad kernel's epilogue (no fp32 output and
 cast). Where the weight already holds a gradient, the blockwise recipe adds into it in that
-epilogue and returns no gradient for ``b_t`` (see :func:`_fused_grad_target` for when that is safe;
-elsewhere the gradient is returned and autograd accumulates it as usual).
+epilogue and returns no gradient for ``b_t`` (see :func:`~fp8flow_ao._grad_accumulation.fused_grad_target`
+for when that is safe; elsewhere the gradient is returned and autograd accumulates it as usual).
 
 Recipes:
 
@@ -79,6 +79,7 @@ from fp8flow_ao._checks import (
     validation_enabled,
 )
 from fp8flow_ao._format import BLOCK, cast_to_fp8, nan_free_abs, pow2_scale_inv
+from fp8flow_ao._grad_accumulation import fused_grad_target, grad_leaf
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import OUT_DTYPES, quantize_in_gemm_pays, transpose_in_gemm_pays
 from fp8flow_ao.kernels.permute_pad import permute_pad_rows
 from fp8flow_ao.kernels.quantize_1x128 import quantize_1x128
@@ -212,54 +213,19 @@ def _scaled_grouped_mm(
 
 def _grad_leaf(b_t: torch.Tensor) -> torch.Tensor | None:
     """The weight whose gradient the wgrad epilogue may add into: the plain leaf ``W`` with ``b_t =
-    W.transpose(-2, -1)`` (torchtitan's call), whose ``[E, N, K]`` gradient is the wgrad output's layout.
-    ``None`` under ``torch.compile`` (the traced backward must not depend on whether ``.grad`` existed
-    when it was traced), without grad mode, and for anything else: a leaf ``b_t`` (autograd keeps its
-    gradient in ``b_t``'s ``[E, K, N]`` layout, which the epilogue's rows do not match), another view, a
-    subclass such as FSDP2's DTensor parameters, a non-leaf weight. Metadata only: whether the fusion
-    happens is decided in backward (:func:`_fused_grad_target`)."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not b_t.requires_grad:
+    W.transpose(-2, -1)`` (torchtitan's call), whose ``[E, N, K]`` gradient is the wgrad output's layout
+    (:func:`~fp8flow_ao._grad_accumulation.grad_leaf`); ``None`` without grad mode and for anything else,
+    e.g. a leaf ``b_t`` (autograd keeps its gradient in ``b_t``'s ``[E, K, N]`` layout, which the
+    epilogue's rows do not match) or another view."""
+    if not torch.is_grad_enabled() or not b_t.requires_grad:
         return None
     w = b_t._base
-    if w is None or w.dim() != 3 or not (w.is_leaf and w.requires_grad):
-        return None
-    if type(w) not in (torch.Tensor, torch.nn.Parameter) or b_t.storage_offset() != w.storage_offset():
+    if w is None or w.dim() != 3 or grad_leaf(w) is None or b_t.storage_offset() != w.storage_offset():
         return None
     e, n, k = w.shape
     if b_t.shape != (e, k, n) or b_t.stride() != (w.stride(0), w.stride(2), w.stride(1)):
         return None
     return w
-
-
-def _fused_grad_target(w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """``w``'s existing gradient (``[E, N, K]`` contiguous) to add ``dW`` into in the wgrad epilogue
-    (backward then returns ``None`` for ``b_t``), or ``None`` for the plain path. ``w``: from
-    :func:`_grad_leaf`, or ``None`` where this backward runs under ``create_graph``.
-
-    Fused only when it is exactly what autograd would do: this backward is a ``.backward()`` that
-    will run the weight's ``AccumulateGrad`` (not ``torch.autograd.grad``, which hands the gradient
-    to its caller, nor ``.backward(inputs=...)`` without the weight), without ``create_graph``
-    (``AccumulateGrad`` adds in place then too), and the weight has a plain contiguous gradient of its
-    dtype already and no tensor hooks (a hook would see ``None`` instead of this contribution).
-    ``AccumulateGrad`` still runs for the ``None``, so post-accumulate hooks (and DDP's hooks on the
-    node) fire after this addition and see the sum, as they would otherwise. Not detectable, hence
-    unsupported: pre-hooks registered on the ``AccumulateGrad`` node itself. The cheap tests come
-    first: without a gradient to add into (``torch.autograd.grad``, a first micro-batch) nothing else
-    is asked.
-    """
-    if w is None or torch.compiler.is_compiling():  # (a compiled-autograd backward of an eager forward)
-        return None
-    grad = w.grad
-    if grad is None or type(grad) is not torch.Tensor or grad.requires_grad or w._backward_hooks:
-        return None
-    if grad.dtype != dtype or not grad.is_contiguous():
-        return None
-    try:
-        if not torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(w).node):
-            return None
-    except RuntimeError:  # raised for leaves under torch.autograd.grad(): the caller takes the gradient
-        return None
-    return grad
 
 
 class _PadRows(torch.autograd.Function):
@@ -423,7 +389,7 @@ def _blockwise_backward(
     # The transpose's scales are one per 128x128 tile (b_tile_scales: one FFMA an element to promote). Straight
     # to the ops, as above: their operands are this op's own outputs, and grouped_gemm_fp8_wgrad's checks
     # cost 7.4 us a call on the CPU machine the code is written on (the GPU machines' hosts run Python 4-5x slower).
-    target = _fused_grad_target(fuse_into, ctx.b_dtype)
+    target = fused_grad_target(fuse_into, ctx.b_dtype)
     args = (g_t_data, g_t_scale, a_t_data, a_t_scale, offs)
     if target is None:
         return grad_a, _OPS.grouped_gemm_fp8_wgrad(*args, ctx.b_dtype, 1, True)
@@ -487,10 +453,10 @@ def fp8_grouped_mm(
         ``[M, N]`` ``out_dtype``. Gradients flow to ``a`` (its dtype) and ``b_t`` (its dtype,
         written so by the wgrad epilogue). Blockwise: where ``b_t``'s leaf weight already holds a
         gradient and ``.backward()`` will accumulate into it, the epilogue adds into that gradient
-        in place instead (see :func:`_fused_grad_target` for the exact rule).
+        in place instead (see :func:`~fp8flow_ao._grad_accumulation.fused_grad_target` for the exact rule).
     """
     _check_args(a, b_t, offs, recipe, out_dtype, offs_aligned)
-    grad_leaf = _grad_leaf(b_t) if recipe == "blockwise" else None
+    leaf = _grad_leaf(b_t) if recipe == "blockwise" else None
     # Whether a backward will ask for dA: else the forward writes no transposed FP8 weight (inference, no_grad);
     # for dW: else it keeps nothing of A.
     dgrad = torch.is_grad_enabled() and a.requires_grad
@@ -498,7 +464,7 @@ def fp8_grouped_mm(
     w_in_gemm = _quantize_w_in_gemm(a.shape[0], b_t, recipe, offs_aligned, dgrad)
     # Whether the dgrad reads a transposed FP8 copy rather than transposing W's tiles in its GEMM.
     w_t_copy = not w_in_gemm and not transpose_in_gemm_pays(a.shape[0], b_t.shape[0], offs_aligned)
-    args = (recipe, out_dtype, grad_leaf, w_in_gemm, dgrad, wgrad, w_t_copy)
+    args = (recipe, out_dtype, leaf, w_in_gemm, dgrad, wgrad, w_t_copy)
     if offs_aligned:
         return _Float8GroupedMM.apply(a, b_t, offs, *args, None, None)
     src_rows, dst_rows, padded_offs = _OPS.pad_group_offsets(offs, a.shape[0])

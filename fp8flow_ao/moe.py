@@ -56,6 +56,7 @@ from torch.autograd.function import once_differentiable
 
 from fp8flow_ao._checks import check_bool, check_multiple, check_row_major, check_same_device, check_tensor
 from fp8flow_ao._format import BLOCK, round_rows_to_fp8_grid
+from fp8flow_ao._grad_accumulation import fused_grad_target, grad_leaf
 from fp8flow_ao.kernels.dequantize import dequantize
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import grouped_gemm_fp8_blockwise
 from fp8flow_ao.kernels.grouped_gemm_fp8_wgrad import grouped_gemm_fp8_wgrad
@@ -188,6 +189,9 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # grad mode, since forward runs without it and needs_input_grad follows requires_grad alone).
         needs = [grad_mode and n for n in ctx.needs_input_grad[:6]]
         ctx.wgrads = (needs[4], needs[3] or needs[5])  # (w2, W13)
+        # The weights whose existing gradient backward's wgrads may add into (gradient accumulation: whether
+        # they do is decided there, see fused_grad_target).
+        ctx.grad_leaves = tuple(grad_leaf(w) if needs[3 + i] else None for i, w in enumerate((w1, w2, w3)))
         # Weights: 128x128 tiles, made by the GEMMs themselves as they load the weights where experts have
         # few rows; else by quantize_128x128, with weight_cache "forward"/"step" also the dgrads' exact
         # transposes, kept for backward (memory for speed: weight_cache.py); "step"'s from its cache (``cached``).
@@ -226,9 +230,16 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
+    def backward(ctx, grad_out):
+        # Under create_graph autograd accumulates out of place: no fused accumulation (decided here, before
+        # _backward runs without grad mode).
+        leaves = ctx.grad_leaves if not torch.is_grad_enabled() else (None, None, None)
+        return _FP8FlowRoutedExperts._backward(ctx, grad_out, leaves)
+
+    @staticmethod
     @_autocast_off
     @once_differentiable  # the FP8 ops have no gradient formulas of their own
-    def backward(ctx, grad_out):
+    def _backward(ctx, grad_out, leaves):
         rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, *saved = ctx.saved_tensors
         kept, fc1_saved = split_kept(saved)
         top_k, rows_k, plan = ctx.top_k, ctx.rows_k, ctx.plan
@@ -239,9 +250,10 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             grads = _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx)
         else:
             grads = _grads_fp8(
-                ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, kept, fc1_saved
-            )
-        grad_xp, grad_probs_p, grad_w2, grad_w13 = grads
+                ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, kept, fc1_saved,
+                leaves,
+            )  # fmt: skip
+        grad_xp, grad_probs_p, grad_w2, (grad_w1, grad_w3) = grads
 
         # Back to tokens: dx[t] = sum over the token's k rows; grad probs[t, j] = its row's value. Under
         # EP the rows return to their tokens' ranks in BF16 first (the k-sum runs there, in fp32).
@@ -251,7 +263,6 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             grad_probs = grad_probs.view(-1, top_k)
         else:
             grad_x, grad_probs = combine(grad_x, plan), combine_probs_grad(grad_probs, plan)
-        grad_w1, grad_w3 = (None, None) if grad_w13 is None else grad_w13.unbind(0)
         return (
             grad_x.to(x_dtype),
             grad_probs.to(probs_dtype),
@@ -274,10 +285,13 @@ def _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k):
     return permute_pad_rows(rows, rows_scale, src_rows, rows_k, recompute=True, dst_rows=dst_rows)
 
 
-def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, kept, fc1_saved):
+def _grads_fp8(
+    ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, kept, fc1_saved, leaves
+):  # fmt: skip
     """FP8-Flow's backward from the FP8 token rows ``rows`` (permuted again by ``src_rows`` where needed) to
-    (grad xp ``[M, D]`` BF16, grad probs_p ``[M]``, grad w2 ``[E, D, H]``, grad W13 ``[2, E, H, D]``); the
-    weight gradients in the weights' dtypes."""
+    (grad xp ``[M, D]`` BF16, grad probs_p ``[M]``, grad w2 ``[E, D, H]``, (grad w1, grad w3) ``[E, H, D]``
+    each); the weight gradients in the weights' dtypes, ``None`` for one not asked for or added into its
+    existing gradient by the wgrad (``leaves``: the forward's ``grad_leaves``, see :func:`fused_grad_target`)."""
     rows_k, plan = ctx.rows_k, ctx.plan
     w1_dtype, w2_dtype = ctx.dtypes[2:4]
     fp8_wgrads = _fp8_wgrads(ctx.backward)  # "bf16_wgrad" computes them in BF16 instead
@@ -293,7 +307,7 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
     )
     # Which weight gradients run in FP8 here: none for a frozen weight; "bf16_wgrad" computes them in BF16.
     fp8_wgrad_w2, fp8_wgrad_w13 = (fp8_wgrads and wanted for wanted in ctx.wgrads)
-    grad_w2 = grad_w13 = None
+    grad_w2, grad_w13 = None, (None, None)
     if ctx.recompute:
         xp, xp_scale = _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k)
         h, _, _, *a_t = _fc1_swiglu(xp, xp_scale, qw13.fc1(), probs_p, offs, ctx.score_before, fp8_wgrad_w2)
@@ -322,9 +336,12 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
         # Weight gradients leave the GEMM in the weights' dtype: the kernel accumulates in fp32 and rounds
         # once (the same bits as rounding an fp32 result), without writing and re-reading an fp32 copy.
         # The transpose's scales are one per 128x128 tile (b_tile_scales: one FFMA an element to promote).
+        # With gradient accumulation it adds into w2's existing gradient there instead (then returns none).
+        into = fused_grad_target(leaves[1], w2_dtype)
         grad_w2 = grouped_gemm_fp8_wgrad(
-            dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype, b_tile_scales=True
+            dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype, accumulate_into=into, b_tile_scales=True
         )
+        grad_w2 = None if into is not None else grad_w2
 
     # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and, where FC1's wgrad runs in FP8, column-wise (its
     # operand; frozen W13: not written), grad of the probs.
@@ -341,20 +358,41 @@ def _grads_fp8(ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, off
         grad_xp = _expert_gemm(dh, dh_scale, qw13.fc1_dgrad(), offs)
     del qw13  # (recompute's W13 too, in the BF16 mode) no FP8 weight copy alive while the wgrads are written
     # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8, gathered by the
-    # transpose itself (the permuted rows are never written in backward). Stored as
-    # [2, E, H, D], so w1's and w3's gradients are contiguous: halves of [E, 2H, D] would be strided
-    # views, which autograd copies into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
+    # transpose itself (the permuted rows are never written in backward). w1's and w3's gradients come out
+    # as contiguous tensors (_fc1_wgrad): halves of [E, 2H, D] would be strided views, which autograd copies
+    # into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
     if fp8_wgrad_w13:
         xp_t, xp_t_scale = scaling_aware_transpose(rows, rows_scale, offs, src_rows, rows_k)
-        grad_w13 = grouped_gemm_fp8_wgrad(
-            dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=w1_dtype, n_chunks=2, b_tile_scales=True
-        )
+        into = (fused_grad_target(leaves[0], w1_dtype), fused_grad_target(leaves[2], w1_dtype))
+        grad_w13 = _fc1_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, w1_dtype, into)
     elif not fp8_wgrads:
         xp, xp_scale = _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k)
         _, _, grad_w2, grad_w13 = _grads_bf16(
             grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx, grad_a
         )
     return grad_xp, grad_probs_p, grad_w2, grad_w13
+
+
+def _fc1_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, dtype, into):
+    """FC1's weight gradients ``(w1's, w3's)``, each ``[E, H, D]`` contiguous in ``dtype``, from dh column-wise
+    (``dh_t`` ``[2H, M]``: w1's rows, then w3's) and x column-wise; ``into``: per weight, its existing gradient
+    to add into in the epilogue (gradient accumulation; that weight's entry is then ``None``), or ``None``."""
+    if into == (None, None):  # one launch writing both, as [2, E, H, D]
+        return grouped_gemm_fp8_wgrad(
+            dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=dtype, n_chunks=2, b_tile_scales=True
+        ).unbind(0)
+    # One launch per weight: each adds into its own tensor. The halves of dh_t are contiguous row ranges;
+    # their scales, columns of [M/128, 2H], are copied (M/128 x H floats) for the kernels' flat scale loads.
+    hidden = dh_t.shape[0] // 2
+    grads = []
+    for half, target in enumerate(into):
+        cols = slice(half * hidden, (half + 1) * hidden)
+        grad = grouped_gemm_fp8_wgrad(
+            dh_t[cols], dh_t_scale[:, cols].contiguous(), xp_t, xp_t_scale, offs, out_dtype=dtype,
+            accumulate_into=target, b_tile_scales=True,
+        )  # fmt: skip
+        grads.append(None if target is not None else grad)
+    return tuple(grads)
 
 
 def _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx, grad_a=None):
@@ -367,8 +405,8 @@ def _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, 
     FP8, so a loss gap left with it comes from the forward. Given the FP8 dgrad's ``grad_a``
     (``backward="bf16_wgrad"``): the weight gradients only, dh from SwiGLU's fp32 backward of it, so with
     ``"bf16"`` it splits a backward gap between dgrads and wgrads. Returns FP8-Flow's layout: grad xp
-    ``[M, D]`` (None with ``grad_a``), grad probs_p ``[M]``, grad w2 ``[E, D, H]`` and grad W13
-    ``[2, E, H, D]`` (w1's and w3's), the weight gradients in w2's and w1's dtypes."""
+    ``[M, D]`` (None with ``grad_a``), grad probs_p ``[M]``, grad w2 ``[E, D, H]`` and (grad w1, grad w3)
+    ``[E, H, D]`` each, the weight gradients in w2's and w1's dtypes."""
     every = grad_a is None
     dyp, _ = permute_pad_rows(grad_out.to(torch.bfloat16).contiguous(), None, src_rows, ctx.rows_k)
     a = swiglu_reference(h, probs_p, offs, ctx.score_before).to(torch.bfloat16)
@@ -379,7 +417,9 @@ def _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, 
     dh = torch.cat(dh_halves, dim=1)
     x_bf16 = dequantize(xp, xp_scale, out_dtype=torch.bfloat16)
     grad_xp, grad_w13 = _grouped_mm_vjp(x_bf16, torch.cat([w1, w3], dim=1), offs, dh, with_x=every)
-    return grad_xp, grad_probs_p, grad_w2.to(w2.dtype), torch.stack(grad_w13.to(w1.dtype).chunk(2, dim=1))
+    # w1's and w3's gradients as contiguous tensors: autograd would copy strided halves of [E, 2H, D] anyway.
+    grad_w1, grad_w3 = (g.contiguous() for g in grad_w13.to(w1.dtype).chunk(2, dim=1))
+    return grad_xp, grad_probs_p, grad_w2.to(w2.dtype), (grad_w1, grad_w3)
 
 
 def _fc1_dgrad_bf16(grad_a, h, probs_p, offs, score_before, w1, w3, dh_rounding=None):

@@ -702,6 +702,152 @@ def test_weight_gradients_leave_the_function_contiguous():
         assert grad.shape == w.shape and grad.is_contiguous(), name
 
 
+# Gradient accumulation: the wgrad epilogue adds into the weights' existing gradients (fused_grad_target).
+def _accumulation_inputs(dtype: torch.dtype, seed: int = 0):
+    """Tokens, router output (skewed: expert 3 gets nothing) and [w1, w2, w3] leaf weights of ``dtype``."""
+    experts, hidden, dim, tokens, top_k = 4, 128, 256, 96, 2
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(tokens, dim, device=DEVICE, generator=g).to(torch.bfloat16).requires_grad_()
+    scores = torch.rand(tokens, top_k, device=DEVICE, generator=g).requires_grad_()
+    ids = torch.stack([torch.randperm(experts - 1, device=DEVICE, generator=g)[:top_k] for _ in range(tokens)])
+    shapes = ((experts, hidden, dim), (experts, dim, hidden), (experts, hidden, dim))
+    weights = [torch.nn.Parameter(0.05 * torch.randn(s, device=DEVICE, generator=g).to(dtype)) for s in shapes]
+    return x, scores, ids, weights
+
+
+def _layer_loss(x, scores, ids, weights, **kwargs) -> torch.Tensor:
+    return fp8flow_routed_experts(x, scores, ids, *weights, **kwargs).float().square().mean()
+
+
+def _fresh_grads(x, scores, ids, weights, **kwargs) -> list[torch.Tensor]:
+    """The weights' gradients from one backward with none before (the plain path)."""
+    copies = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    _layer_loss(x.detach(), scores.detach(), ids, copies, **kwargs).backward()
+    return [w.grad for w in copies]
+
+
+def _assert_sum(grad: torch.Tensor, existing: torch.Tensor, fresh: torch.Tensor) -> None:
+    """``grad == existing + fresh``: bit for bit in fp32 (the same fp32 add as autograd's); in bf16 within the
+    one rounding of the fused sum (2^-8 of it) plus that of the plain path's bf16 ``fresh`` (2^-8 of it)."""
+    if grad.dtype == torch.float32:
+        assert torch.equal(grad, existing + fresh)
+    else:
+        ref = existing.float() + fresh.float()
+        assert ((grad.float() - ref).abs() <= 2**-8 * (ref.abs() + fresh.float().abs()) + 1e-30).all()
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backward_accumulates_into_existing_weight_gradients(dtype, recompute):
+    """A second micro-batch's .backward() adds each weight gradient into ``w.grad`` in the wgrad epilogue (three
+    accumulating launches: w2, w1, w3; no fresh wgrad and no add), in place (same storage); the input and
+    router gradients are those of the plain path, bit for bit."""
+    x, scores, ids, weights = _accumulation_inputs(dtype)
+    fresh = _fresh_grads(x, scores, ids, weights, recompute_experts=recompute)
+    _layer_loss(x, scores, ids, [w.detach().clone().requires_grad_() for w in weights]).backward()
+    plain_x, plain_scores = x.grad, scores.grad
+    x.grad = scores.grad = None
+    existing = [torch.randn_like(w) for w in weights]
+    for w, e in zip(weights, existing, strict=True):
+        w.grad = e.clone()
+    storages = [w.grad.data_ptr() for w in weights]
+    with FP8FlowOpCounter() as counter:
+        _layer_loss(x, scores, ids, weights, recompute_experts=recompute).backward()
+    assert counter.counts["grouped_gemm_fp8_wgrad_accumulate"] == 3 and counter.counts["grouped_gemm_fp8_wgrad"] == 0
+    for w, e, f, storage in zip(weights, existing, fresh, storages, strict=True):
+        assert w.grad.data_ptr() == storage and w.grad.dtype == dtype
+        _assert_sum(w.grad, e, f)
+    assert torch.equal(x.grad, plain_x) and torch.equal(scores.grad, plain_scores)
+
+
+def test_only_the_weights_holding_a_gradient_accumulate():
+    """w1 holds a gradient, w2 and w3 do not: w1's half of FC1's wgrad adds into it; w3's half and w2's wgrad
+    are written fresh, the same bits as the one launch that writes both halves."""
+    x, scores, ids, weights = _accumulation_inputs(torch.float32)
+    fresh = _fresh_grads(x, scores, ids, weights)
+    existing = torch.randn_like(weights[0])
+    weights[0].grad = existing.clone()
+    with FP8FlowOpCounter() as counter:
+        _layer_loss(x, scores, ids, weights).backward()
+    assert counter.counts["grouped_gemm_fp8_wgrad_accumulate"] == 1 and counter.counts["grouped_gemm_fp8_wgrad"] == 2
+    assert torch.equal(weights[0].grad, existing + fresh[0])
+    assert torch.equal(weights[1].grad, fresh[1]) and torch.equal(weights[2].grad, fresh[2])
+
+
+def test_post_accumulate_grad_hooks_see_the_sums():
+    x, scores, ids, weights = _accumulation_inputs(torch.float32)
+    fresh = _fresh_grads(x, scores, ids, weights)
+    existing = [torch.randn_like(w) for w in weights]
+    seen = []
+    for w, e in zip(weights, existing, strict=True):
+        w.grad = e.clone()
+        w.register_post_accumulate_grad_hook(lambda p: seen.append((p, p.grad.clone())))
+    with FP8FlowOpCounter() as counter:
+        _layer_loss(x, scores, ids, weights).backward()
+    assert counter.counts["grouped_gemm_fp8_wgrad_accumulate"] == 3 and len(seen) == 3
+    for p, grad in seen:
+        i = next(i for i, w in enumerate(weights) if w is p)
+        assert torch.equal(grad, existing[i] + fresh[i])
+
+
+@pytest.mark.parametrize("how", ["autograd_grad", "backward_inputs_without_weights", "tensor_hook", "create_graph"])
+def test_layer_takes_the_plain_path_where_fusing_is_unsafe(how):
+    """torch.autograd.grad hands the gradients to its caller (w.grad stays untouched); backward(inputs=[x])
+    accumulates into no weight; a tensor hook must see (and may change) the gradient; create_graph accumulates
+    out of place. Each gets exactly what it would without the fusion."""
+    x, scores, ids, weights = _accumulation_inputs(torch.float32)
+    fresh = _fresh_grads(x, scores, ids, weights)
+    existing = [torch.randn_like(w) for w in weights]
+    for w, e in zip(weights, existing, strict=True):
+        w.grad = e.clone()
+        if how == "tensor_hook":
+            w.register_hook(lambda g: 2 * g)
+    with FP8FlowOpCounter() as counter:
+        loss = _layer_loss(x, scores, ids, weights)
+        if how == "autograd_grad":
+            grads = torch.autograd.grad(loss, weights)
+            assert all(torch.equal(g, f) for g, f in zip(grads, fresh, strict=True))
+        elif how == "backward_inputs_without_weights":
+            loss.backward(inputs=[x])
+        else:
+            loss.backward(create_graph=how == "create_graph")
+    assert counter.counts["grouped_gemm_fp8_wgrad_accumulate"] == 0
+    scale = {"autograd_grad": 0, "backward_inputs_without_weights": 0, "tensor_hook": 2}.get(how, 1)
+    for w, e, f in zip(weights, existing, fresh, strict=True):
+        assert torch.equal(w.grad.detach(), e + scale * f if scale else e)
+
+
+def test_compiled_layer_path_does_not_fuse():
+    """The compiled path's backward is traced once, so it must not depend on .grad existing: fresh gradients,
+    which autograd adds to the existing ones."""
+    torch._dynamo.reset()
+    x, scores, ids, weights = _accumulation_inputs(torch.float32)
+    fresh = _fresh_grads(x, scores, ids, weights)
+    existing = [torch.randn_like(w) for w in weights]
+    for w, e in zip(weights, existing, strict=True):
+        w.grad = e.clone()
+    loss = _layer_loss(x, scores, ids, weights, compile_backend="aot_eager")
+    with FP8FlowOpCounter() as counter:  # (dynamo refuses to trace under a dispatch mode: backward only)
+        loss.backward()
+    assert counter.counts["grouped_gemm_fp8_wgrad_accumulate"] == 0 and counter.counts["grouped_gemm_fp8_wgrad"] == 2
+    for w, e, f in zip(weights, existing, fresh, strict=True):
+        torch.testing.assert_close(w.grad, e + f, rtol=1e-6, atol=1e-7)
+
+
+def test_converted_layer_accumulates_over_micro_batches():
+    """torchtitan's MoE layer, converted: two micro-batches without zero_grad, the second adding into the first's
+    gradients in the wgrad epilogue (its experts' parameters are plain leaves)."""
+    moe = convert_moe_layer(make_moe())
+    x, grad = _inputs(256, 128)
+    first = run_step(moe, x, grad)
+    fresh = {name: first[name].clone() for name in PARAMS[:3]}
+    with FP8FlowOpCounter() as counter:
+        second = run_step(moe, x, grad)
+    assert counter.counts["grouped_gemm_fp8_wgrad_accumulate"] == 3 and counter.counts["grouped_gemm_fp8_wgrad"] == 0
+    for name in PARAMS[:3]:
+        _assert_sum(second[name], fresh[name], fresh[name])
+
+
 def test_compile_mode_needs_inductor():
     x = torch.randn(128, 256, dtype=torch.bfloat16)
     probs, ids = torch.rand(128, 2), torch.randint(0, 4, (128, 2))
