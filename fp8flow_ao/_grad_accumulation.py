@@ -11,23 +11,40 @@ where it is exactly what autograd would do; the backward then returns ``None`` f
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def grad_leaf(w: torch.Tensor) -> torch.Tensor | None:
-    """``w`` if its gradient could be accumulated in the epilogue: a plain leaf tensor or ``Parameter`` that
-    requires grad. ``None`` under ``torch.compile`` (a traced backward must not depend on whether ``.grad``
-    existed when it was traced) and for anything else: a subclass such as FSDP2's or expert parallelism's
-    DTensor parameters, a view, a non-leaf weight. Metadata only: whether the fusion happens is decided in
+    """The leaf whose gradient ``w``'s could be accumulated into in the epilogue: ``w`` itself where it is a
+    plain leaf tensor or ``Parameter`` that requires grad, or the ``DTensor`` parameter whose local shard ``w``
+    is (``w = p.to_local()``: expert parallelism's weights, ``shard_experts``). ``None`` under ``torch.compile``
+    (a traced backward must not depend on whether ``.grad`` existed when it was traced) and for anything else:
+    another subclass, a view, a non-leaf weight. Metadata only: whether the fusion happens is decided in
     backward (:func:`fused_grad_target`)."""
     if torch.compiler.is_compiling() or type(w) not in (torch.Tensor, torch.nn.Parameter):
         return None
-    return w if w.is_leaf and w.requires_grad else None
+    if w.is_leaf:
+        return w if w.requires_grad else None
+    return _dtensor_of_local(w)
+
+
+def _dtensor_of_local(w: torch.Tensor) -> torch.Tensor | None:
+    """The leaf ``DTensor`` ``p`` with ``w = p.to_local()`` (its autograd edge: ``to_local``'s backward, whose
+    ``None`` gradient it passes on as ``None``, to ``p``'s ``AccumulateGrad``), else ``None``."""
+    node = w.grad_fn
+    if node is None or type(node).__name__ != "_ToTorchTensorBackward" or not node.next_functions:
+        return None
+    p = getattr(node.next_functions[0][0], "variable", None)
+    if not isinstance(p, DTensor) or not (p.is_leaf and p.requires_grad):
+        return None
+    return p if p._local_tensor.shape == w.shape else None
 
 
 def fused_grad_target(w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """``w``'s existing gradient (contiguous, ``w``'s layout) to add ``dW`` into in the wgrad epilogue (backward
-    then returns ``None`` for ``w``), or ``None`` for the plain path. ``w``: from :func:`grad_leaf`, or
-    ``None`` where this backward runs under ``create_graph``; ``dtype``: the gradient's dtype.
+    """``w``'s existing gradient (contiguous, ``w``'s layout; of a ``DTensor`` ``w``, the local shard) to add
+    ``dW`` into in the wgrad epilogue (backward then returns ``None`` for ``w``), or ``None`` for the plain
+    path. ``w``: from :func:`grad_leaf`, or ``None`` where this backward runs under ``create_graph``;
+    ``dtype``: the gradient's dtype.
 
     Fused only when it is exactly what autograd would do: this backward is a ``.backward()`` that
     will run the weight's ``AccumulateGrad`` (not ``torch.autograd.grad``, which hands the gradient
@@ -43,6 +60,10 @@ def fused_grad_target(w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tenso
     if w is None or torch.compiler.is_compiling():  # (a compiled-autograd backward of an eager forward)
         return None
     grad = w.grad
+    if isinstance(w, DTensor):  # its gradient's local shard, where laid out as the parameter's
+        if not isinstance(grad, DTensor) or grad.placements != w.placements or grad.device_mesh != w.device_mesh:
+            return None
+        grad = grad._local_tensor
     if grad is None or type(grad) is not torch.Tensor or grad.requires_grad or w._backward_hooks:
         return None
     if grad.dtype != dtype or not grad.is_contiguous():

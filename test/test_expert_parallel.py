@@ -20,8 +20,9 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE
-from test_moe import ROUTINGS, _inputs, make_moe, run_step
+from test_moe import PARAMS, ROUTINGS, _assert_sum, _inputs, make_moe, run_step
 
+from fp8flow_ao.debug import FP8FlowOpCounter
 from fp8flow_ao.moe import _routed_experts, convert_moe_layer, fp8flow_routed_experts
 from fp8flow_ao.parallel import shard_experts
 from fp8flow_ao.parallel.expert_parallel import plan_dispatch
@@ -308,6 +309,26 @@ def test_one_rank_group_is_the_single_process_path(one_rank_group, recompute, ba
     )
     for key, expected in ref.items():
         assert torch.equal(got[key].detach().cpu(), expected), key
+
+
+def test_sharded_experts_accumulate_into_their_dtensor_gradients(one_rank_group):
+    """shard_experts' DTensor parameters (the layer runs on their local shards): a second micro-batch without
+    zero_grad adds each weight gradient into the parameter's DTensor gradient's local shard in the wgrad
+    epilogue (no fresh wgrad, no add), giving the first gradient plus the second's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    moe = convert_moe_layer(make_moe(**ROUTINGS["skewed"]))
+    shard_experts(moe.experts, init_device_mesh(DEVICE, (1,), mesh_dim_names=("ep",)))
+    x, grad = _inputs(256, 128)
+    first = run_step(moe, x, grad)
+    fresh = {name: first[name].to_local().clone() for name in PARAMS[:3]}
+    storages = {name: first[name].to_local().data_ptr() for name in PARAMS[:3]}
+    with FP8FlowOpCounter() as counter:
+        second = run_step(moe, x, grad)
+    assert counter.counts["grouped_gemm_fp8_wgrad_accumulate"] == 3 and counter.counts["grouped_gemm_fp8_wgrad"] == 0
+    for name in PARAMS[:3]:
+        assert second[name].to_local().data_ptr() == storages[name], name
+        _assert_sum(second[name].to_local(), fresh[name], fresh[name])
 
 
 def test_compiled_experts_given_an_ep_group_later_run_it_eagerly(one_rank_group, monkeypatch):
