@@ -138,7 +138,8 @@ def dispatch_payloads(case: Case, ids: torch.Tensor, group) -> dict[str, float]:
 
 
 def layer_step_ms(moe: torch.nn.Module, case: Case, iters: int) -> tuple[float, float]:
-    """Forward + backward of the layer: (median ms of the slowest rank, peak GiB on this rank)."""
+    """Forward + backward of the layer: (median ms of the slowest rank, peak GiB on this rank). The steps keep the
+    weights' gradients: every step after the first is a gradient-accumulation micro-batch (for both recipes)."""
     x = torch.randn(1, case.tokens, case.shape.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
 
@@ -235,7 +236,9 @@ def main() -> None:
     if rank == 0:
         notes = (
             "Layer: torchtitan 0.2.2 MoE (routed experts only, fixed router output) with torchtitan's "
-            "ExpertParallel on the BF16 layer and FP8 dispatch on the converted one; median of the slowest "
+            "ExpertParallel on the BF16 layer and FP8 dispatch on the converted one; the steps keep the weights' "
+            "gradients (gradient-accumulation micro-batches: BF16's autograd adds fresh ones, FP8-Flow's wgrads add "
+            "into them in their epilogue); median of the slowest "
             "rank. all-to-all: ours = FP8 data + fp32 scales/prob as two byte payloads (wire only); "
             "fp8_dispatch_us adds the FP8 row gather. gbps counts bytes sent by one rank.\n\n"
             + projection_notes(raw, world)

@@ -525,7 +525,11 @@ def fp8flow_routed_experts(
             output is overwritten by the next replay: do not hold one across steps.
 
     Returns:
-        ``[T, D]`` in ``x``'s dtype. Gradients flow to ``x``, ``top_scores``, ``w1``, ``w2``, ``w3``.
+        ``[T, D]`` in ``x``'s dtype. Gradients flow to ``x``, ``top_scores``, ``w1``, ``w2``, ``w3``. Where a
+        weight already holds a gradient and ``.backward()`` will accumulate into it (gradient accumulation), the
+        eager path adds the weight's gradient into it in the wgrad epilogue instead of returning a fresh one for
+        autograd to add (the rule: :func:`~fp8flow_ao._grad_accumulation.fused_grad_target`; expert
+        parallelism's DTensor weights too); a compiled path (``compile_backend``) returns fresh gradients.
     """
     routed = _routed_experts
     compiling = torch.compiler.is_compiling()
