@@ -53,8 +53,9 @@ class FP8Flow:
     With ``weight_cache = "step"`` the cache lookup runs before the graph and hands it the FP8 tiles. With
     gradient accumulation (several micro-batches per optimizer step, no FSDP) the eager path adds the weight
     gradients into the existing ones in its wgrad epilogue and the compiled one does not (autograd adds them):
-    on an H200 a DeepSeek-like layer's accumulating micro-batch took 12.4 ms eager against 13.7 compiled, its
-    first micro-batch 11.9 against 11.8 (``benchmarks/results/grad_accumulation.md``)."""
+    on an H200 a DeepSeek-like layer's accumulating micro-batch took 12.5 ms eager against 13.8 compiled (10.7
+    eager with ``weight_cache = "step"``), its first micro-batch 11.9 against 12.2
+    (``benchmarks/results/grad_accumulation.md``)."""
 
     compile_mode: Literal["default", "reduce-overhead"] = "default"
     """``torch.compile``'s ``mode`` for the routed path that ``compile_experts`` compiles: "default", or
