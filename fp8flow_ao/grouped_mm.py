@@ -214,13 +214,13 @@ def _scaled_grouped_mm(
 def _grad_leaf(b_t: torch.Tensor) -> torch.Tensor | None:
     """The weight whose gradient the wgrad epilogue may add into: the plain leaf ``W`` with ``b_t =
     W.transpose(-2, -1)`` (torchtitan's call), whose ``[E, N, K]`` gradient is the wgrad output's layout
-    (:func:`~fp8flow_ao._grad_accumulation.grad_leaf`); ``None`` without grad mode and for anything else,
-    e.g. a leaf ``b_t`` (autograd keeps its gradient in ``b_t``'s ``[E, K, N]`` layout, which the
-    epilogue's rows do not match) or another view."""
+    (``W`` its own :func:`~fp8flow_ao._grad_accumulation.grad_leaf`); ``None`` without grad mode and for
+    anything else, e.g. a leaf ``b_t`` (autograd keeps its gradient in ``b_t``'s ``[E, K, N]`` layout, which
+    the epilogue's rows do not match), another view, a DTensor's local shard."""
     if not torch.is_grad_enabled() or not b_t.requires_grad:
         return None
     w = b_t._base
-    if w is None or w.dim() != 3 or grad_leaf(w) is None or b_t.storage_offset() != w.storage_offset():
+    if w is None or w.dim() != 3 or grad_leaf(w) is not w or b_t.storage_offset() != w.storage_offset():
         return None
     e, n, k = w.shape
     if b_t.shape != (e, k, n) or b_t.stride() != (w.stride(0), w.stride(2), w.stride(1)):

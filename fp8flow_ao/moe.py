@@ -337,11 +337,7 @@ def _grads_fp8(
         # once (the same bits as rounding an fp32 result), without writing and re-reading an fp32 copy.
         # The transpose's scales are one per 128x128 tile (b_tile_scales: one FFMA an element to promote).
         # With gradient accumulation it adds into w2's existing gradient there instead (then returns none).
-        into = fused_grad_target(leaves[1], w2_dtype)
-        grad_w2 = grouped_gemm_fp8_wgrad(
-            dyp_t, dyp_t_scale, a_t, a_t_scale, offs, out_dtype=w2_dtype, accumulate_into=into, b_tile_scales=True
-        )
-        grad_w2 = None if into is not None else grad_w2
+        grad_w2 = _wgrad(dyp_t, dyp_t_scale, a_t, a_t_scale, offs, w2_dtype, fused_grad_target(leaves[1], w2_dtype))
 
     # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and, where FC1's wgrad runs in FP8, column-wise (its
     # operand; frozen W13: not written), grad of the probs.
@@ -373,26 +369,30 @@ def _grads_fp8(
     return grad_xp, grad_probs_p, grad_w2, grad_w13
 
 
+def _wgrad(a_t, a_t_scale, b_t, b_t_scale, offs, dtype, into):
+    """One weight's FP8 gradient in ``dtype`` (``b_t``'s scales one per tile): returned, or added into ``into``
+    (the weight's existing gradient) in the epilogue, and ``None`` returned."""
+    args = (a_t, a_t_scale, b_t, b_t_scale, offs)
+    grad = grouped_gemm_fp8_wgrad(*args, out_dtype=dtype, accumulate_into=into, b_tile_scales=True)
+    return None if into is not None else grad
+
+
 def _fc1_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, dtype, into):
     """FC1's weight gradients ``(w1's, w3's)``, each ``[E, H, D]`` contiguous in ``dtype``, from dh column-wise
     (``dh_t`` ``[2H, M]``: w1's rows, then w3's) and x column-wise; ``into``: per weight, its existing gradient
     to add into in the epilogue (gradient accumulation; that weight's entry is then ``None``), or ``None``."""
-    if into == (None, None):  # one launch writing both, as [2, E, H, D]
+    if into[0] is None and into[1] is None:  # one launch writing both, as [2, E, H, D]
         return grouped_gemm_fp8_wgrad(
             dh_t, dh_t_scale, xp_t, xp_t_scale, offs, out_dtype=dtype, n_chunks=2, b_tile_scales=True
         ).unbind(0)
     # One launch per weight: each adds into its own tensor. The halves of dh_t are contiguous row ranges;
     # their scales, columns of [M/128, 2H], are copied (M/128 x H floats) for the kernels' flat scale loads.
     hidden = dh_t.shape[0] // 2
-    grads = []
-    for half, target in enumerate(into):
-        cols = slice(half * hidden, (half + 1) * hidden)
-        grad = grouped_gemm_fp8_wgrad(
-            dh_t[cols], dh_t_scale[:, cols].contiguous(), xp_t, xp_t_scale, offs, out_dtype=dtype,
-            accumulate_into=target, b_tile_scales=True,
-        )  # fmt: skip
-        grads.append(None if target is not None else grad)
-    return tuple(grads)
+    halves = (slice(0, hidden), slice(hidden, 2 * hidden))
+    return tuple(
+        _wgrad(dh_t[rows], dh_t_scale[:, rows].contiguous(), xp_t, xp_t_scale, offs, dtype, target)
+        for rows, target in zip(halves, into, strict=True)
+    )
 
 
 def _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx, grad_a=None):
