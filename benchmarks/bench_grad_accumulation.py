@@ -143,7 +143,9 @@ def main() -> None:
         "routing). 'accumulating': the expert weights already hold gradients (a micro-batch after the first of an "
         "optimizer step); 'first': they hold none. fp8flow adds its weight gradients into them in the wgrad "
         "epilogue; fp8flow_unfused (a no-op tensor hook on each expert weight) and the compiled variants write "
-        "fresh gradients that autograd's AccumulateGrad adds. ours_us: median of the repetitions (each do_bench's "
+        'fresh gradients that autograd\'s AccumulateGrad adds; fp8flow_wt_step is fp8flow with weight_cache="step" '
+        "(the FP8 weights cached across the micro-batches; its cache is allocated before the step, outside "
+        "peak_gib). ours_us: median of the repetitions (each do_bench's "
         "median); baseline: BF16 in the same mode (eager or compiled). peak_gib: one step's peak above the memory "
         "allocated before it."
     )
