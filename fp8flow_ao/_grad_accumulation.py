@@ -10,8 +10,9 @@ where it is exactly what autograd would do; the backward then returns ``None`` f
 
 from __future__ import annotations
 
+import sys
+
 import torch
-from torch.distributed.tensor import DTensor
 
 
 def grad_leaf(w: torch.Tensor) -> torch.Tensor | None:
@@ -28,6 +29,12 @@ def grad_leaf(w: torch.Tensor) -> torch.Tensor | None:
     return _dtensor_of_local(w)
 
 
+def _is_dtensor(t: object) -> bool:
+    # Without importing torch.distributed.tensor (~0.9 s): no tensor is a DTensor before that module is loaded.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def _dtensor_of_local(w: torch.Tensor) -> torch.Tensor | None:
     """The leaf ``DTensor`` ``p`` with ``w = p.to_local()`` (its autograd edge: ``to_local``'s backward, whose
     ``None`` gradient it passes on as ``None``, to ``p``'s ``AccumulateGrad``), else ``None``."""
@@ -35,7 +42,7 @@ def _dtensor_of_local(w: torch.Tensor) -> torch.Tensor | None:
     if node is None or type(node).__name__ != "_ToTorchTensorBackward" or not node.next_functions:
         return None
     p = getattr(node.next_functions[0][0], "variable", None)
-    if not isinstance(p, DTensor) or not (p.is_leaf and p.requires_grad):
+    if not _is_dtensor(p) or not (p.is_leaf and p.requires_grad):
         return None
     return p if p._local_tensor.shape == w.shape else None
 
@@ -60,8 +67,8 @@ def fused_grad_target(w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tenso
     if w is None or torch.compiler.is_compiling():  # (a compiled-autograd backward of an eager forward)
         return None
     grad = w.grad
-    if isinstance(w, DTensor):  # its gradient's local shard, where laid out as the parameter's
-        if not isinstance(grad, DTensor) or grad.placements != w.placements or grad.device_mesh != w.device_mesh:
+    if _is_dtensor(w):  # its gradient's local shard, where laid out as the parameter's
+        if not _is_dtensor(grad) or grad.placements != w.placements or grad.device_mesh != w.device_mesh:
             return None
         grad = grad._local_tensor
     if grad is None or type(grad) is not torch.Tensor or grad.requires_grad or w._backward_hooks:
