@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 from _bench import bench_us_all, row, write_results
-from bench_moe_layer import CASES, FixedRouting, build_bf16, convert, install_routing, routing
+from bench_moe_layer import CASES, FixedRouting, build_bf16, convert, install_routing, make_step, routing
 
 VARIANTS = ("bf16", "fp8flow", "fp8flow_unfused", "fp8flow_wt_step", "bf16_compiled", "fp8flow_compiled")
 MICRO_BATCHES = ("first", "accumulating")
@@ -57,20 +57,6 @@ def build(base: torch.nn.Module, variant: str, fixed: FixedRouting) -> torch.nn.
     if variant.endswith("_compiled"):
         block.compile()
     return block
-
-
-def make_step(block: torch.nn.Module, micro_batch: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """Forward + backward; ``"first"`` drops the parameters' gradients before it, ``"accumulating"`` keeps them."""
-    params = [p for p in block.parameters() if p.requires_grad]
-
-    def step(x: torch.Tensor, dy: torch.Tensor) -> None:
-        if micro_batch == "first":
-            for p in params:
-                p.grad = None
-        x.grad = None
-        block(x).backward(dy)
-
-    return step
 
 
 def peak_gib(step: Callable[[torch.Tensor, torch.Tensor], None], x: torch.Tensor, dy: torch.Tensor) -> float:
@@ -93,7 +79,7 @@ def run_case(name: str, repeats: int) -> list[dict]:
     blocks = {v: build(base, v, fixed) for v in VARIANTS}
     del base
     steps = {
-        (v, mb): make_step(blocks[v], mb)
+        (v, mb): make_step(blocks[v], keep_weight_grads=mb == "accumulating")
         for v in VARIANTS
         for mb in MICRO_BATCHES
         if not (v in ONLY_ACCUMULATING and mb == "first")

@@ -295,9 +295,10 @@ def install_routing(block: Block, fixed: FixedRouting) -> None:
         router._debug_force_load_balance_routing = fixed
 
 
-def make_step(block: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """One forward + backward from fresh gradients (parameter and input gradients)."""
-    params = [p for p in block.parameters() if p.requires_grad]
+def make_step(block: nn.Module, keep_weight_grads: bool = False) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One forward + backward from fresh gradients (parameter and input gradients); ``keep_weight_grads``: the
+    parameters keep theirs, as in a gradient-accumulation micro-batch after the first."""
+    params = [] if keep_weight_grads else [p for p in block.parameters() if p.requires_grad]
 
     def step(x: torch.Tensor, dy: torch.Tensor) -> None:
         for p in params:

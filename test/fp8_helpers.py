@@ -47,6 +47,17 @@ def assert_scales_equal(actual: torch.Tensor, expected: torch.Tensor, name: str 
     torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=0, atol=0, equal_nan=True, msg=name)
 
 
+def assert_accumulated(grad: torch.Tensor, existing: torch.Tensor, fresh: torch.Tensor) -> None:
+    """``grad == existing + fresh``, a gradient added into an existing one by the wgrad epilogue: bit for bit in
+    fp32 (the same fp32 add as autograd's); in bf16 within the fused sum's one rounding (2^-8 of it) plus that
+    of the plain path's bf16 ``fresh`` (2^-8 of it: near cancellation the bound is on ``|fresh|``)."""
+    if grad.dtype == torch.float32:
+        assert torch.equal(grad, existing + fresh)
+    else:
+        ref = existing.float() + fresh.float()
+        assert ((grad.float() - ref).abs() <= 2**-8 * (ref.abs() + fresh.float().abs()) + 1e-30).all()
+
+
 def edge_case_rows(k: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Rows that probe the format's edges, each ``k`` wide.
 

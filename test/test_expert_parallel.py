@@ -20,7 +20,8 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE
-from test_moe import PARAMS, ROUTINGS, _assert_sum, _inputs, make_moe, run_step
+from fp8_helpers import assert_accumulated
+from test_moe import PARAMS, ROUTINGS, _inputs, make_moe, run_step
 
 from fp8flow_ao.debug import FP8FlowOpCounter
 from fp8flow_ao.moe import _routed_experts, convert_moe_layer, fp8flow_routed_experts
@@ -328,7 +329,7 @@ def test_sharded_experts_accumulate_into_their_dtensor_gradients(one_rank_group)
     assert counter.counts["grouped_gemm_fp8_wgrad_accumulate"] == 3 and counter.counts["grouped_gemm_fp8_wgrad"] == 0
     for name in PARAMS[:3]:
         assert second[name].to_local().data_ptr() == storages[name], name
-        _assert_sum(second[name].to_local(), fresh[name], fresh[name])
+        assert_accumulated(second[name].to_local(), fresh[name], fresh[name])
 
 
 def test_compiled_experts_given_an_ep_group_later_run_it_eagerly(one_rank_group, monkeypatch):

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from conftest import DEVICE
-from fp8_helpers import sqnr_db
+from fp8_helpers import assert_accumulated, sqnr_db
 
 from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.moe import FP8FlowMoE, _routed_experts, convert_moe_layer, fp8flow_routed_experts
@@ -726,16 +726,6 @@ def _fresh_grads(x, scores, ids, weights, **kwargs) -> list[torch.Tensor]:
     return [w.grad for w in copies]
 
 
-def _assert_sum(grad: torch.Tensor, existing: torch.Tensor, fresh: torch.Tensor) -> None:
-    """``grad == existing + fresh``: bit for bit in fp32 (the same fp32 add as autograd's); in bf16 within the
-    one rounding of the fused sum (2^-8 of it) plus that of the plain path's bf16 ``fresh`` (2^-8 of it)."""
-    if grad.dtype == torch.float32:
-        assert torch.equal(grad, existing + fresh)
-    else:
-        ref = existing.float() + fresh.float()
-        assert ((grad.float() - ref).abs() <= 2**-8 * (ref.abs() + fresh.float().abs()) + 1e-30).all()
-
-
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_backward_accumulates_into_existing_weight_gradients(dtype, recompute):
@@ -756,7 +746,7 @@ def test_backward_accumulates_into_existing_weight_gradients(dtype, recompute):
     assert counter.counts["grouped_gemm_fp8_wgrad_accumulate"] == 3 and counter.counts["grouped_gemm_fp8_wgrad"] == 0
     for w, e, f, storage in zip(weights, existing, fresh, storages, strict=True):
         assert w.grad.data_ptr() == storage and w.grad.dtype == dtype
-        _assert_sum(w.grad, e, f)
+        assert_accumulated(w.grad, e, f)
     assert torch.equal(x.grad, plain_x) and torch.equal(scores.grad, plain_scores)
 
 
@@ -845,7 +835,7 @@ def test_converted_layer_accumulates_over_micro_batches():
         second = run_step(moe, x, grad)
     assert counter.counts["grouped_gemm_fp8_wgrad_accumulate"] == 3 and counter.counts["grouped_gemm_fp8_wgrad"] == 0
     for name in PARAMS[:3]:
-        _assert_sum(second[name], fresh[name], fresh[name])
+        assert_accumulated(second[name], fresh[name], fresh[name])
 
 
 def test_compile_mode_needs_inductor():
