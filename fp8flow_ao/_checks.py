@@ -43,8 +43,9 @@ def check_fp8(name: str, t: object, ndim: int | Iterable[int] | None = None) -> 
 
 
 def check_row_major(name: str, t: torch.Tensor) -> None:
-    """Raise unless the last dim of ``t`` is contiguous (stride 1); other strides are free."""
-    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+    """Raise unless the last dim of ``t`` is contiguous (stride 1); other strides are free. An empty ``t``
+    has no element out of place: e.g. the expanded (stride 0) gradient of ``out.sum()`` for zero tokens."""
+    if t.dim() and t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(
             f"{name} must be row-major (last dim contiguous), got shape {tuple(t.shape)} stride {t.stride()}"
         )

@@ -206,22 +206,29 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # Kept for backward unless recomputed: h and, where the FC2 wgrad runs in FP8, a8 column-wise (the
         # same bytes as a8, which FC2 then no longer needs).
         keep_a_t = not recompute and _fp8_wgrads(backward) and ctx.wgrads[0]
-        h, a_data, a_scale, *a_t = _fc1_swiglu(
-            routed.data, routed.scale_inv, qw.fc1(), routed.probs, offs, score_before, keep_a_t
-        )
-        y = _expert_gemm(a_data, a_scale, qw.fc2(), offs)
-        out = unpermute_unpad(y, routed.dst_rows, rows_k)
+        # w1, w2, w3 are the parameters themselves (alive anyway): saving them costs no memory.
+        kept = kept_for_backward(qw, recompute)
+        ctx.weights_in_gemm = isinstance(qw, ExpertWeightsHP)
+        fc1_w, fc2_w = qw.fc1(), qw.fc2()
+        probs_p, src_rows, dst_rows = routed.probs, routed.src_rows, routed.dst_rows
+        xp, xp_scale = routed.data, routed.scale_inv
+        # A name holds its tensor to the end of the function: released here, the permuted rows and W13's FP8
+        # tiles (where backward does not keep them) are freed before FC2 allocates its output, as a compiled
+        # graph frees them.
+        del qw, routed
+        h, a_data, a_scale, *a_t = _fc1_swiglu(xp, xp_scale, fc1_w, probs_p, offs, score_before, keep_a_t)
+        del xp, xp_scale, fc1_w
+        fc1_saved = () if recompute else (h, *a_t)
+        del h, a_t  # recomputed: freed now; else held by fc1_saved
+        y = _expert_gemm(a_data, a_scale, fc2_w, offs)
+        del a_data, a_scale, fc2_w
+        out = unpermute_unpad(y, dst_rows, rows_k)
+        del y
         if plan is not None:
             out = combine(out, plan)
 
-        fc1_saved = () if recompute else (h, *a_t)
-        # w1, w2, w3 are the parameters themselves (alive anyway): saving them costs no memory.
-        kept = kept_for_backward(qw, recompute)
-        ctx.save_for_backward(
-            rows, rows_scale, routed.probs, routed.src_rows, routed.dst_rows, offs, w1, w2, w3, *kept, *fc1_saved
-        )
+        ctx.save_for_backward(rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, *kept, *fc1_saved)
         ctx.recompute, ctx.top_k, ctx.rows_k, ctx.plan = recompute, top_k, rows_k, plan
-        ctx.weights_in_gemm = isinstance(qw, ExpertWeightsHP)
         ctx.score_before, ctx.backward = score_before, backward
         ctx.dtypes = (x.dtype, probs.dtype, w1.dtype, w2.dtype, w3.dtype)
         # Return the op's result itself when the dtype already matches: a no-op ``.to`` would hand back an
@@ -244,20 +251,19 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         kept, fc1_saved = split_kept(saved)
         top_k, rows_k, plan = ctx.top_k, ctx.rows_k, ctx.plan
         x_dtype, probs_dtype, _, _, w3_dtype = ctx.dtypes
+        # Back to tokens: dx[t] = sum over the token's k rows; grad probs[t, j] = its row's value. Under
+        # EP the rows return to their tokens' ranks in BF16 first (the k-sum runs there, in fp32).
         if ctx.backward == "bf16":  # the ablation: no FP8 in backward
             h = fc1_saved[0]
             xp, xp_scale = _gather_again(rows, rows_scale, src_rows, dst_rows, rows_k)
-            grads = _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx)
+            grad_xp, *grads = _grads_bf16(grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx)
+            grad_x = unpermute_unpad(grad_xp, dst_rows, rows_k)
         else:
-            grads = _grads_fp8(
+            grad_x, *grads = _grads_fp8(
                 ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, kept, fc1_saved,
                 leaves,
             )  # fmt: skip
-        grad_xp, grad_probs_p, grad_w2, (grad_w1, grad_w3) = grads
-
-        # Back to tokens: dx[t] = sum over the token's k rows; grad probs[t, j] = its row's value. Under
-        # EP the rows return to their tokens' ranks in BF16 first (the k-sum runs there, in fp32).
-        grad_x = unpermute_unpad(grad_xp, dst_rows, rows_k)
+        grad_probs_p, grad_w2, (grad_w1, grad_w3) = grads
         grad_probs = grad_probs_p.index_select(0, dst_rows)
         if plan is None:
             grad_probs = grad_probs.view(-1, top_k)
@@ -289,9 +295,12 @@ def _grads_fp8(
     ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, kept, fc1_saved, leaves
 ):  # fmt: skip
     """FP8-Flow's backward from the FP8 token rows ``rows`` (permuted again by ``src_rows`` where needed) to
-    (grad xp ``[M, D]`` BF16, grad probs_p ``[M]``, grad w2 ``[E, D, H]``, (grad w1, grad w3) ``[E, H, D]``
-    each); the weight gradients in the weights' dtypes, ``None`` for one not asked for or added into its
-    existing gradient by the wgrad (``leaves``: the forward's ``grad_leaves``, see :func:`fused_grad_target`)."""
+    (grad ``rows`` BF16, each row the sum of its ``rows_k`` permuted rows' gradients; grad probs_p ``[M]``;
+    grad w2 ``[E, D, H]``; (grad w1, grad w3) ``[E, H, D]`` each); the weight gradients in the weights' dtypes,
+    ``None`` for one not asked for or added into its existing gradient by the wgrad (``leaves``: the forward's
+    ``grad_leaves``, see :func:`fused_grad_target`). Each operand is released after its last use (a name holds
+    its tensor to the end of the function): the weight gradients are written with as little else alive as
+    the order of the GEMMs allows."""
     rows_k, plan = ctx.rows_k, ctx.plan
     w1_dtype, w2_dtype = ctx.dtypes[2:4]
     fp8_wgrads = _fp8_wgrads(ctx.backward)  # "bf16_wgrad" computes them in BF16 instead
@@ -329,15 +338,18 @@ def _grads_fp8(
     qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2", in_gemm=in_gemm)
     grad_a = _expert_gemm(dyp, dyp_scale, qw2.fc2_dgrad(), offs)
     del qw2
+    # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
+    dyp_t = scaling_aware_transpose(dyp, dyp_scale, offs) if fp8_wgrad_w2 else None
+    del dyp, dyp_scale
     if fp8_wgrad_w2:
-        # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
-        dyp_t, dyp_t_scale = scaling_aware_transpose(dyp, dyp_scale, offs)
         a_t, a_t_scale = a_t  # made with a8 by swiglu_quant(transpose=True)
         # Weight gradients leave the GEMM in the weights' dtype: the kernel accumulates in fp32 and rounds
         # once (the same bits as rounding an fp32 result), without writing and re-reading an fp32 copy.
         # The transpose's scales are one per 128x128 tile (b_tile_scales: one FFMA an element to promote).
         # With gradient accumulation it adds into w2's existing gradient there instead (then returns none).
-        grad_w2 = _wgrad(dyp_t, dyp_t_scale, a_t, a_t_scale, offs, w2_dtype, fused_grad_target(leaves[1], w2_dtype))
+        grad_w2 = _wgrad(*dyp_t, a_t, a_t_scale, offs, w2_dtype, fused_grad_target(leaves[1], w2_dtype))
+        del a_t_scale
+    del dyp_t, a_t
 
     # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and, where FC1's wgrad runs in FP8, column-wise (its
     # operand; frozen W13: not written), grad of the probs.
@@ -352,12 +364,16 @@ def _grads_fp8(
         if qw13 is None:
             qw13 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w13", in_gemm=in_gemm)
         grad_xp = _expert_gemm(dh, dh_scale, qw13.fc1_dgrad(), offs)
-    del qw13  # (recompute's W13 too, in the BF16 mode) no FP8 weight copy alive while the wgrads are written
+    del qw13, dh, dh_scale  # (recompute's W13 too, in the BF16 mode) no FP8 weight copy alive in the wgrads
+    # Back to token order before FC1's wgrad: its [M, D] rows are freed first.
+    grad_x = unpermute_unpad(grad_xp, dst_rows, rows_k)
+    del grad_xp
     # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8, gathered by the
     # transpose itself (the permuted rows are never written in backward). w1's and w3's gradients come out
     # as contiguous tensors (_fc1_wgrad): halves of [E, 2H, D] would be strided views, which autograd copies
     # into the parameters' layout (2.2 ms of a 14.6 ms DeepSeek-like step).
     if fp8_wgrad_w13:
+        del grad_a, h  # recomputed h: its only reference
         xp_t, xp_t_scale = scaling_aware_transpose(rows, rows_scale, offs, src_rows, rows_k)
         into = (fused_grad_target(leaves[0], w1_dtype), fused_grad_target(leaves[2], w1_dtype))
         grad_w13 = _fc1_wgrad(dh_t, dh_t_scale, xp_t, xp_t_scale, offs, w1_dtype, into)
@@ -366,7 +382,7 @@ def _grads_fp8(
         _, _, grad_w2, grad_w13 = _grads_bf16(
             grad_out, xp, xp_scale, h, probs_p, src_rows, offs, w1, w2, w3, ctx, grad_a
         )
-    return grad_xp, grad_probs_p, grad_w2, grad_w13
+    return grad_x, grad_probs_p, grad_w2, grad_w13
 
 
 def _wgrad(a_t, a_t_scale, b_t, b_t_scale, offs, dtype, into):

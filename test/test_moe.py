@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 
 import pytest
 import torch
@@ -376,6 +377,59 @@ def test_inference_makes_no_backward_operands():
     assert torch.equal(out, expected)
     assert ("swiglu_quant", False) in calls.transposes and not any(t for _, t in calls.transposes)
     assert calls.weight_quantizations == 2  # W13 and w2, forward orientation only (by the GEMMs here)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_eager_layer_frees_each_operand_after_its_last_use(recompute, monkeypatch):
+    """Run eagerly (``quantize_``'s default), the layer frees each intermediate after its last use, as a compiled
+    graph does: when FC2's forward GEMM runs, FC1's operands (the permuted rows, W13's FP8 tiles) and, when
+    recomputing, h are gone; when FC1's weight gradients are written, so are dy's FP8 rows, FC1's dgrad output
+    ``[M, D]`` and a recomputed h. (Python holds a local to the end of its function unless told otherwise.)"""
+    from fp8flow_ao import moe as moe_module
+    from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as gemm_module
+
+    for rule in ("IN_GEMM_MAX_ROWS_PER_EXPERT", "FORWARD_IN_GEMM_MAX_ROWS_PER_EXPERT"):
+        monkeypatch.setattr(gemm_module, rule, 0)  # FP8 weight tiles made before the GEMMs (the DeepSeek-like path)
+    gemms, alive = [], {}  # per _expert_gemm call: weak references to its A operand, B tiles and output
+    expert_gemm, fc1_wgrad = moe_module._expert_gemm, moe_module._fc1_wgrad
+
+    def is_alive(refs):
+        return [ref() is not None for ref in refs]
+
+    def watched_gemm(a, a_scale, b, offs):
+        if len(gemms) == 1:  # FC2's forward: FC1's rows, tiles, output h
+            alive["fc2 forward"] = is_alive(gemms[0])
+        out = expert_gemm(a, a_scale, b, offs)
+        gemms.append(tuple(weakref.ref(t) for t in (a, b.b, out)))
+        return out
+
+    def watched_fc1_wgrad(*args):
+        # the last two GEMMs: FC2's dgrad (A = dy's rows), FC1's dgrad (its output); backward's first: FC1
+        # again when recomputing (its output h), else FC2's dgrad (its output, SwiGLU backward's input)
+        alive["fc1 wgrad"] = is_alive((gemms[-2][0], gemms[-1][2], gemms[2][2]))
+        return fc1_wgrad(*args)
+
+    monkeypatch.setattr(moe_module, "_expert_gemm", watched_gemm)
+    monkeypatch.setattr(moe_module, "_fc1_wgrad", watched_fc1_wgrad)
+    x, probs, ids, weights = _experts_inputs()
+    out = fp8flow_routed_experts(x, probs, ids, *weights, recompute_experts=recompute)
+    out.backward(torch.randn_like(out))
+    assert len(gemms) == 4 + recompute
+    assert alive["fc2 forward"] == [False, False, not recompute]
+    assert alive["fc1 wgrad"] == [False, False, False]
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_zero_tokens_with_an_expanded_output_gradient(recompute):
+    """A batch of no tokens (a rank whose batch routed nothing) under the usual ``out.sum()`` loss: the output
+    gradient autograd passes back is an expanded, stride-0 empty tensor. Its gradients are empty, the weights'
+    exactly zero."""
+    x, probs, ids, weights = _experts_inputs(tokens=8)
+    x, probs = (t[:0].detach().requires_grad_() for t in (x, probs))
+    out = fp8flow_routed_experts(x, probs, ids[:0], *weights, recompute_experts=recompute)
+    out.float().sum().backward()
+    assert out.shape == x.shape and x.grad.shape == x.shape and probs.grad.shape == probs.shape
+    assert all(w.grad is not None and not w.grad.any() for w in weights)
 
 
 @pytest.mark.gpu
