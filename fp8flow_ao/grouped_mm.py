@@ -377,6 +377,7 @@ def _blockwise_backward(
         )
         if dst_rows is not None:
             grad_a = _OPS.unpermute_unpad(grad_a, dst_rows, 1, None)
+    del g_data, g_scale  # not alive while the wgrad writes dW (a name holds its tensor to the function's end)
     if not needs_w:
         return grad_a, None
     # dW_e [N, K] = dOut_e^T A_e: A re-encoded column-wise [K, M] by exponent shift, no re-quantization (by the
