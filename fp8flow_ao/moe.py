@@ -181,6 +181,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
             x_data, x_scale = quantize_1x128(x)
             plan = plan_dispatch(expert_indices, num_experts * dist.get_world_size(ep_group), ep_group)
             rows, rows_scale, rows_probs = dispatch(x_data, x_scale, plan, probs.detach())
+            del x_data, x_scale  # sent: the received rows are what the experts read
             rows_k = 1
             routed = permute_pad(rows, rows_scale, plan.local_expert, rows_probs, num_experts)
         offs = routed.group_end_offsets
