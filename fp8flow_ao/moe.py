@@ -334,6 +334,7 @@ def _grads_fp8(
     else:
         dy_data, dy_scale, _ = dispatch(*quantize_1x128(grad_out.contiguous()), plan)
         dyp, dyp_scale = permute_pad_rows(dy_data, dy_scale, src_rows, rows_k, dst_rows=dst_rows)
+        del dy_data, dy_scale
 
     # FC2 dgrad: da [M, H] = dy @ w2 per expert, RHS = exact FP8 w2^T [E, H, D].
     qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2", in_gemm=in_gemm)
