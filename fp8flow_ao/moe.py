@@ -190,6 +190,9 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # grad mode, since forward runs without it and needs_input_grad follows requires_grad alone).
         needs = [grad_mode and n for n in ctx.needs_input_grad[:6]]
         ctx.wgrads = (needs[4], needs[3] or needs[5])  # (w2, W13)
+        # FC1's dgrad only for an x that needs a gradient (e.g. not the first MoE layer's input when everything
+        # before it is frozen); under EP always: its rows are other ranks' tokens, returned by a collective.
+        ctx.dgrad_x = needs[0] or ep_group is not None
         # The weights whose existing gradient backward's wgrads may add into (gradient accumulation: whether
         # they do is decided there, see fused_grad_target).
         ctx.grad_leaves = tuple(grad_leaf(w) if needs[3 + i] else None for i, w in enumerate((w1, w2, w3)))
@@ -271,7 +274,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         else:
             grad_x, grad_probs = combine(grad_x, plan), combine_probs_grad(grad_probs, plan)
         return (
-            grad_x.to(x_dtype),
+            None if grad_x is None else grad_x.to(x_dtype),
             grad_probs.to(probs_dtype),
             None,
             grad_w1,
@@ -308,7 +311,7 @@ def _grads_fp8(
     # The weights' exact transposes for the dgrads (and W13 itself when recomputing FC1): kept from
     # forward, or quantized again from the same weights (the same bits), each right before its dgrad
     # and dropped after it, so no FP8 weight copy is alive while the weight gradients are written.
-    fp8_fc1_dgrad = ctx.backward != "bf16_fc1_dgrad" and ctx.backward not in EMULATIONS
+    fp8_fc1_dgrad = ctx.dgrad_x and ctx.backward != "bf16_fc1_dgrad" and ctx.backward not in EMULATIONS
     in_gemm = ctx.weights_in_gemm
     qw13 = (
         weights_for_backward(kept, w1, w2, w3, True, "w13", transpose=fp8_fc1_dgrad, in_gemm=in_gemm)
@@ -359,7 +362,9 @@ def _grads_fp8(
         grad_a, h, probs_p, offs, ctx.score_before, transpose=fp8_wgrad_w13
     )
     # FC1 dgrad: dx_perm [M, D] = dh @ W13 per expert, RHS = exact FP8 W13^T [E, D, 2H].
-    if not fp8_fc1_dgrad:
+    if not ctx.dgrad_x:
+        grad_xp = None
+    elif not fp8_fc1_dgrad:
         dh_rounding = EMULATIONS.get(ctx.backward)
         grad_xp = _fc1_dgrad_bf16(grad_a, h, probs_p, offs, ctx.score_before, w1, w3, dh_rounding)
     else:
@@ -368,7 +373,7 @@ def _grads_fp8(
         grad_xp = _expert_gemm(dh, dh_scale, qw13.fc1_dgrad(), offs)
     del qw13, dh, dh_scale  # (recompute's W13 too, in the BF16 mode) no FP8 weight copy alive in the wgrads
     # Back to token order before FC1's wgrad: its [M, D] rows are freed first.
-    grad_x = unpermute_unpad(grad_xp, dst_rows, rows_k)
+    grad_x = None if grad_xp is None else unpermute_unpad(grad_xp, dst_rows, rows_k)
     del grad_xp
     # FC1 wgrad: dW13_e [2H, D] = dh_e^T x_e, x re-encoded column-wise from the saved x8, gathered by the
     # transpose itself (the permuted rows are never written in backward). w1's and w3's gradients come out

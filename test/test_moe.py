@@ -313,7 +313,12 @@ class _Calls(FP8FlowOpCounter):
     call's ``with_transpose``."""
 
     # (index, default) of the flag in each op's schema
-    FLAGS = {"swiglu_quant": (4, False), "swiglu_quant_backward": (5, True), "quantize_128x128_pair": (3, False)}
+    FLAGS = {
+        "swiglu_quant": (4, False),
+        "swiglu_quant_backward": (5, True),
+        "quantize_128x128_pair": (3, False),
+        "quantize_128x128": (1, False),
+    }
 
     def __init__(self) -> None:
         super().__init__()
@@ -365,6 +370,31 @@ def test_frozen_weights_get_no_weight_gradient_work(frozen, recompute):
     assert [t for name, t in calls.transposes if name == "swiglu_quant_backward"] == [
         0 not in frozen or 2 not in frozen
     ]
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+@pytest.mark.parametrize("weight_quantization", ["in_gemm", "separate"], indirect=True)
+def test_input_that_needs_no_gradient_gets_no_fc1_dgrad(recompute, weight_quantization):
+    """x without ``requires_grad`` (the first MoE layer's input when everything before it is frozen): no FC1 dgrad
+    GEMM and no W13 transpose for it; the gradients asked for are the same bits as a full backward's."""
+    x, probs, ids, weights = _experts_inputs()
+    grad = torch.randn_like(x)
+    kwargs = {"recompute_experts": recompute}
+    with _Calls() as full_calls:
+        full = torch.autograd.grad(fp8flow_routed_experts(x, probs, ids, *weights, **kwargs), (probs, *weights), grad)
+    with _Calls() as calls:
+        out = fp8flow_routed_experts(x.detach(), probs, ids, *weights, **kwargs)
+        got = torch.autograd.grad(out, (probs, *weights), grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, full, strict=True))
+    gemms = ("grouped_gemm_fp8_blockwise", "grouped_gemm_fp8_blockwise_keep_b")
+    assert sum(calls.counts[g] for g in gemms) == sum(full_calls.counts[g] for g in gemms) - 1
+    # and no W13 transpose for it: written by quantize_128x128 ("separate"), or made by the dgrad GEMM as it loads
+    # W13 ("in_gemm")
+    if weight_quantization == "separate":
+        transposes = [sum(t for name, t in c.transposes if name == "quantize_128x128") for c in (calls, full_calls)]
+        assert transposes[0] == transposes[1] - 1
+    else:
+        assert calls.counts[QUANTIZING_GEMMS] == full_calls.counts[QUANTIZING_GEMMS] - 1
 
 
 def test_inference_makes_no_backward_operands():
