@@ -193,6 +193,9 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # FC1's dgrad only for an x that needs a gradient (e.g. not the first MoE layer's input when everything
         # before it is frozen); under EP always: its rows are other ranks' tokens, returned by a collective.
         ctx.dgrad_x = needs[0] or ep_group is not None
+        # FC2's dgrad (and SwiGLU's backward) only where something before it needs a gradient: not where w2 alone
+        # trains (but for "bf16_wgrad", whose BF16 weight gradients start from it).
+        ctx.dgrad_a = ctx.dgrad_x or needs[1] or ctx.wgrads[1] or not _fp8_wgrads(backward)
         # The weights whose existing gradient backward's wgrads may add into (gradient accumulation: whether
         # they do is decided there, see fused_grad_target).
         ctx.grad_leaves = tuple(grad_leaf(w) if needs[3 + i] else None for i, w in enumerate((w1, w2, w3)))
@@ -268,14 +271,14 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
                 leaves,
             )  # fmt: skip
         grad_probs_p, grad_w2, (grad_w1, grad_w3) = grads
-        grad_probs = grad_probs_p.index_select(0, dst_rows)
+        grad_probs = None if grad_probs_p is None else grad_probs_p.index_select(0, dst_rows)
         if plan is None:
-            grad_probs = grad_probs.view(-1, top_k)
+            grad_probs = None if grad_probs is None else grad_probs.view(-1, top_k)
         else:
             grad_x, grad_probs = combine(grad_x, plan), combine_probs_grad(grad_probs, plan)
         return (
             None if grad_x is None else grad_x.to(x_dtype),
-            grad_probs.to(probs_dtype),
+            None if grad_probs is None else grad_probs.to(probs_dtype),
             None,
             grad_w1,
             grad_w2,
@@ -340,9 +343,11 @@ def _grads_fp8(
         del dy_data, dy_scale
 
     # FC2 dgrad: da [M, H] = dy @ w2 per expert, RHS = exact FP8 w2^T [E, H, D].
-    qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2", in_gemm=in_gemm)
-    grad_a = _expert_gemm(dyp, dyp_scale, qw2.fc2_dgrad(), offs)
-    del qw2
+    grad_a = None
+    if ctx.dgrad_a:
+        qw2 = weights_for_backward(kept, w1, w2, w3, ctx.recompute, "w2", in_gemm=in_gemm)
+        grad_a = _expert_gemm(dyp, dyp_scale, qw2.fc2_dgrad(), offs)
+        del qw2
     # FC2 wgrad: dw2_e [D, H] = dy_e^T a_e on column-wise operands re-encoded from the row-wise ones.
     dyp_t = scaling_aware_transpose(dyp, dyp_scale, offs) if fp8_wgrad_w2 else None
     del dyp, dyp_scale
@@ -355,6 +360,8 @@ def _grads_fp8(
         grad_w2 = _wgrad(*dyp_t, a_t, a_t_scale, offs, w2_dtype, fused_grad_target(leaves[1], w2_dtype))
         del a_t_scale
     del dyp_t, a_t
+    if grad_a is None:  # w2 alone trains
+        return None, None, grad_w2, grad_w13
 
     # SwiGLU backward: dh [M, 2H] row-wise (FC1 dgrad) and, where FC1's wgrad runs in FP8, column-wise (its
     # operand; frozen W13: not written), grad of the probs.

@@ -397,6 +397,25 @@ def test_input_that_needs_no_gradient_gets_no_fc1_dgrad(recompute, weight_quanti
         assert calls.counts[QUANTIZING_GEMMS] == full_calls.counts[QUANTIZING_GEMMS] - 1
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_w2_alone_training_runs_only_its_weight_gradient(recompute):
+    """Only w2 needs a gradient (x, the probs, w1 and w3 frozen): backward runs FC2's wgrad and nothing before it
+    (no FC2 dgrad, no SwiGLU backward, no FC1 GEMM), and w2's gradient is the same bits as a full backward's."""
+    x, probs, ids, weights = _experts_inputs()
+    grad = torch.randn_like(x)
+    kwargs = {"recompute_experts": recompute}
+    (full,) = torch.autograd.grad(fp8flow_routed_experts(x, probs, ids, *weights, **kwargs), weights[1], grad)
+    for i in (0, 2):
+        weights[i].requires_grad_(False)
+    with _Calls() as calls:
+        out = fp8flow_routed_experts(x.detach(), probs.detach(), ids, *weights, **kwargs)
+        (got,) = torch.autograd.grad(out, weights[1], grad)
+    assert torch.equal(got, full)
+    gemms = sum(calls.counts[g] for g in ("grouped_gemm_fp8_blockwise", "grouped_gemm_fp8_blockwise_keep_b"))
+    assert gemms == 2 + recompute  # forward's FC1 and FC2, and FC1 again to recompute a8
+    assert calls.counts["grouped_gemm_fp8_wgrad"] == 1 and calls.counts["swiglu_quant_backward"] == 0
+
+
 def test_inference_makes_no_backward_operands():
     """Without a gradient to come (no_grad): no column-wise a8, and weight_cache="forward" quantizes the forward
     orientation only (as "off" does); the output is the same bits."""
