@@ -302,8 +302,10 @@ def _grads_fp8(
     ctx, grad_out, rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, kept, fc1_saved, leaves
 ):  # fmt: skip
     """FP8-Flow's backward from the FP8 token rows ``rows`` (permuted again by ``src_rows`` where needed) to
-    (grad ``rows`` BF16, each row the sum of its ``rows_k`` permuted rows' gradients; grad probs_p ``[M]``;
-    grad w2 ``[E, D, H]``; (grad w1, grad w3) ``[E, H, D]`` each); the weight gradients in the weights' dtypes,
+    (grad ``rows`` BF16, each row the sum of its ``rows_k`` permuted rows' gradients, ``None`` where x needs
+    none (``ctx.dgrad_x``); grad probs_p ``[M]``, ``None`` where nothing before FC2 needs a gradient
+    (``ctx.dgrad_a``); grad w2 ``[E, D, H]``; (grad w1, grad w3) ``[E, H, D]`` each); the weight gradients in the
+    weights' dtypes,
     ``None`` for one not asked for or added into its existing gradient by the wgrad (``leaves``: the forward's
     ``grad_leaves``, see :func:`fused_grad_target`). Each operand is released after its last use (a name holds
     its tensor to the end of the function): the weight gradients are written with as little else alive as
