@@ -271,11 +271,12 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
                 leaves,
             )  # fmt: skip
         grad_probs_p, grad_w2, (grad_w1, grad_w3) = grads
-        grad_probs = None if grad_probs_p is None else grad_probs_p.index_select(0, dst_rows)
-        if plan is None:
-            grad_probs = None if grad_probs is None else grad_probs.view(-1, top_k)
-        else:
-            grad_x, grad_probs = combine(grad_x, plan), combine_probs_grad(grad_probs, plan)
+        if plan is not None:
+            grad_x = combine(grad_x, plan)
+        grad_probs = None
+        if grad_probs_p is not None:  # None where w2 alone trains (never under EP: its dgrads always run)
+            grad_probs = grad_probs_p.index_select(0, dst_rows)
+            grad_probs = grad_probs.view(-1, top_k) if plan is None else combine_probs_grad(grad_probs, plan)
         return (
             None if grad_x is None else grad_x.to(x_dtype),
             None if grad_probs is None else grad_probs.to(probs_dtype),
@@ -305,11 +306,10 @@ def _grads_fp8(
     (grad ``rows`` BF16, each row the sum of its ``rows_k`` permuted rows' gradients, ``None`` where x needs
     none (``ctx.dgrad_x``); grad probs_p ``[M]``, ``None`` where nothing before FC2 needs a gradient
     (``ctx.dgrad_a``); grad w2 ``[E, D, H]``; (grad w1, grad w3) ``[E, H, D]`` each); the weight gradients in the
-    weights' dtypes,
-    ``None`` for one not asked for or added into its existing gradient by the wgrad (``leaves``: the forward's
-    ``grad_leaves``, see :func:`fused_grad_target`). Each operand is released after its last use (a name holds
-    its tensor to the end of the function): the weight gradients are written with as little else alive as
-    the order of the GEMMs allows."""
+    weights' dtypes, ``None`` for one not asked for or added into its existing gradient by the wgrad
+    (``leaves``: the forward's ``grad_leaves``, see :func:`fused_grad_target`). Each operand is released after
+    its last use (a name holds its tensor to the end of the function): the weight gradients are written with as
+    little else alive as the order of the GEMMs allows."""
     rows_k, plan = ctx.rows_k, ctx.plan
     w1_dtype, w2_dtype = ctx.dtypes[2:4]
     fp8_wgrads = _fp8_wgrads(ctx.backward)  # "bf16_wgrad" computes them in BF16 instead

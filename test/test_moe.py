@@ -324,6 +324,11 @@ class _Calls(FP8FlowOpCounter):
         super().__init__()
         self.transposes: list[tuple[str, bool]] = []
 
+    @property
+    def gemms(self) -> int:
+        """Forward and dgrad grouped GEMM calls (the wgrad's are counted apart)."""
+        return self.counts["grouped_gemm_fp8_blockwise"] + self.counts["grouped_gemm_fp8_blockwise_keep_b"]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "fp8flow" and func._opname in self.FLAGS:
             index, default = self.FLAGS[func._opname]
@@ -386,8 +391,7 @@ def test_input_that_needs_no_gradient_gets_no_fc1_dgrad(recompute, weight_quanti
         out = fp8flow_routed_experts(x.detach(), probs, ids, *weights, **kwargs)
         got = torch.autograd.grad(out, (probs, *weights), grad)
     assert all(torch.equal(a, b) for a, b in zip(got, full, strict=True))
-    gemms = ("grouped_gemm_fp8_blockwise", "grouped_gemm_fp8_blockwise_keep_b")
-    assert sum(calls.counts[g] for g in gemms) == sum(full_calls.counts[g] for g in gemms) - 1
+    assert calls.gemms == full_calls.gemms - 1
     # and no W13 transpose for it: written by quantize_128x128 ("separate"), or made by the dgrad GEMM as it loads
     # W13 ("in_gemm")
     if weight_quantization == "separate":
@@ -411,8 +415,7 @@ def test_w2_alone_training_runs_only_its_weight_gradient(recompute):
         out = fp8flow_routed_experts(x.detach(), probs.detach(), ids, *weights, **kwargs)
         (got,) = torch.autograd.grad(out, weights[1], grad)
     assert torch.equal(got, full)
-    gemms = sum(calls.counts[g] for g in ("grouped_gemm_fp8_blockwise", "grouped_gemm_fp8_blockwise_keep_b"))
-    assert gemms == 2 + recompute  # forward's FC1 and FC2, and FC1 again to recompute a8
+    assert calls.gemms == 2 + recompute  # forward's FC1 and FC2, and FC1 again to recompute a8
     assert calls.counts["grouped_gemm_fp8_wgrad"] == 1 and calls.counts["swiglu_quant_backward"] == 0
 
 
@@ -429,16 +432,14 @@ def test_inference_makes_no_backward_operands():
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
-def test_eager_layer_frees_each_operand_after_its_last_use(recompute, monkeypatch):
+@pytest.mark.parametrize("weight_quantization", ["separate"], indirect=True)  # FP8 tiles made before the GEMMs
+def test_eager_layer_frees_each_operand_after_its_last_use(recompute, weight_quantization, monkeypatch):
     """Run eagerly (``quantize_``'s default), the layer frees each intermediate after its last use, as a compiled
     graph does: when FC2's forward GEMM runs, FC1's operands (the permuted rows, W13's FP8 tiles) and, when
     recomputing, h are gone; when FC1's weight gradients are written, so are dy's FP8 rows, FC1's dgrad output
     ``[M, D]`` and a recomputed h. (Python holds a local to the end of its function unless told otherwise.)"""
     from fp8flow_ao import moe as moe_module
-    from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as gemm_module
 
-    for rule in ("IN_GEMM_MAX_ROWS_PER_EXPERT", "FORWARD_IN_GEMM_MAX_ROWS_PER_EXPERT"):
-        monkeypatch.setattr(gemm_module, rule, 0)  # FP8 weight tiles made before the GEMMs (the DeepSeek-like path)
     gemms, alive = [], {}  # per _expert_gemm call: weak references to its A operand, B tiles and output
     expert_gemm, fc1_wgrad = moe_module._expert_gemm, moe_module._fc1_wgrad
 
