@@ -196,25 +196,25 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         # FC2's dgrad (and SwiGLU's backward) only where something before it needs a gradient: not where w2 alone
         # trains (but for "bf16_wgrad", whose BF16 weight gradients start from it).
         ctx.dgrad_a = ctx.dgrad_x or needs[1] or ctx.wgrads[1] or not _fp8_wgrads(backward)
+        # The dgrads that will run as FP8 GEMMs, each on its weight's exact transpose ("bf16" runs none; the
+        # FC1 ablations and emulations run FC1's in BF16): only those transposes are made and kept.
+        ctx.fp8_fc1_dgrad = ctx.dgrad_x and backward not in ("bf16", "bf16_fc1_dgrad", *EMULATIONS)
+        fp8_fc2_dgrad = ctx.dgrad_a and backward != "bf16"
         # The weights whose existing gradient backward's wgrads may add into (gradient accumulation: whether
         # they do is decided there, see fused_grad_target).
         ctx.grad_leaves = tuple(grad_leaf(w) if needs[3 + i] else None for i, w in enumerate((w1, w2, w3)))
         # Weights: 128x128 tiles, made by the GEMMs themselves as they load the weights where experts have
-        # few rows; else by quantize_128x128, with weight_cache "forward"/"step" also the dgrads' exact
+        # few rows; else by quantize_128x128, with weight_cache "forward"/"step" also the FP8 dgrads' exact
         # transposes, kept for backward (memory for speed: weight_cache.py); "step"'s from its cache (``cached``).
-        qw = weights_for_forward(
-            w1,
-            w2,
-            w3,
-            weight_cache if any(needs) else "off",  # no backward: no transposes to keep
-            rows.shape[0] * rows_k,
-            ExpertWeightsFP8(*cached) if cached else NOTHING,
-        )
+        mode = weight_cache if any(needs) else "off"  # no backward: no transposes to keep
+        transposes = (ctx.fp8_fc1_dgrad, fp8_fc2_dgrad)
+        tiles = ExpertWeightsFP8(*cached) if cached else NOTHING
+        qw = weights_for_forward(w1, w2, w3, mode, rows.shape[0] * rows_k, tiles, transposes)
         # Kept for backward unless recomputed: h and, where the FC2 wgrad runs in FP8, a8 column-wise (the
         # same bytes as a8, which FC2 then no longer needs).
         keep_a_t = not recompute and _fp8_wgrads(backward) and ctx.wgrads[0]
         # w1, w2, w3 are the parameters themselves (alive anyway): saving them costs no memory.
-        kept = kept_for_backward(qw, recompute)
+        kept = kept_for_backward(qw, recompute, mode)
         ctx.weights_in_gemm = isinstance(qw, ExpertWeightsHP)
         fc1_w, fc2_w = qw.fc1(), qw.fc2()
         probs_p, src_rows, dst_rows = routed.probs, routed.src_rows, routed.dst_rows
@@ -316,8 +316,7 @@ def _grads_fp8(
     # The weights' exact transposes for the dgrads (and W13 itself when recomputing FC1): kept from
     # forward, or quantized again from the same weights (the same bits), each right before its dgrad
     # and dropped after it, so no FP8 weight copy is alive while the weight gradients are written.
-    fp8_fc1_dgrad = ctx.dgrad_x and ctx.backward != "bf16_fc1_dgrad" and ctx.backward not in EMULATIONS
-    in_gemm = ctx.weights_in_gemm
+    fp8_fc1_dgrad, in_gemm = ctx.fp8_fc1_dgrad, ctx.weights_in_gemm
     qw13 = (
         weights_for_backward(kept, w1, w2, w3, True, "w13", transpose=fp8_fc1_dgrad, in_gemm=in_gemm)
         if ctx.recompute

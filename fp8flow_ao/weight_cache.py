@@ -12,7 +12,8 @@ tile themselves as they load it from the BF16 weights (the same bits: :class:`Ex
   the same high-precision weights (the same bits), or each GEMM quantizes as it loads. Nothing FP8 of
   the weights outlives its GEMM: the least memory; each BF16 weight byte is read twice per micro-batch.
 * ``"forward"``: forward writes both orientations in one pass and keeps the transposes for backward
-  (and W13 itself with ``recompute_experts``). Reads the BF16 weights once per micro-batch, saves one
+  (and W13 itself with ``recompute_experts``): those of the dgrads that run in FP8, so none of W13's where
+  the layer's input needs no gradient (FC1's dgrad does not run) and none at all where ``w2`` alone trains. Reads the BF16 weights once per micro-batch, saves one
   ``quantize_128x128`` launch per weight; costs ``3*E*H*D`` bytes per layer (half the BF16 weight
   bytes; + ``2*E*H*D`` for W13 with recompute) held from the layer's forward to its backward, i.e.
   every layer's at once at the forward/backward boundary. Works under ``torch.compile``.
@@ -431,23 +432,31 @@ def step_cached_weights(
 
 
 def weights_for_forward(
-    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, mode: str, rows: int, cached: ExpertWeightsFP8 = NOTHING
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    mode: str,
+    rows: int,
+    cached: ExpertWeightsFP8 = NOTHING,
+    transposes: tuple[bool, bool] = (True, True),
 ) -> ExpertWeightsFP8 | ExpertWeightsHP:
     """The weights a forward over ``rows`` routed rows uses: ``cached`` (:func:`step_cached_weights`) when
     given; the weights themselves where the GEMMs quantize them (:func:`quantized_in_gemm`); else FP8
-    tiles made now: the forward orientation (``"off"``), or both (``"forward"``, a traced ``"step"``)."""
+    tiles made now: the forward orientation (``"off"``), or with it (``"forward"``, a traced ``"step"``) the
+    transposes that backward's FP8 dgrads will read, ``transposes`` = (``W13^T``, ``w2^T``): none is made
+    for a dgrad that will not run (an input that needs no gradient, frozen layers before this one)."""
     if cached.w13 is not None:
         return cached
     if quantized_in_gemm(w1, w2, w3, rows, mode):
         return ExpertWeightsHP(w1, w2, w3)
-    if mode == "off":
-        return quantize_expert_weights(w1, w2, w3, True, True, with_w13_t=False, with_w2_t=False)
-    return _both_orientations(w1, w2, w3)
+    with_w13_t, with_w2_t = transposes if mode != "off" else (False, False)
+    return quantize_expert_weights(w1, w2, w3, True, True, with_w13_t=with_w13_t, with_w2_t=with_w2_t)
 
 
-def kept_for_backward(q: ExpertWeightsFP8 | ExpertWeightsHP, recompute: bool) -> ExpertWeightsFP8:
-    """What of the forward's FP8 weights backward keeps: the transposes when made (+ W13 to recompute FC1)."""
-    if isinstance(q, ExpertWeightsHP) or q.w13_t is None:
+def kept_for_backward(q: ExpertWeightsFP8 | ExpertWeightsHP, recompute: bool, mode: str) -> ExpertWeightsFP8:
+    """What of the forward's FP8 weights backward keeps: nothing with ``mode`` ``"off"``; else the transposes
+    made (+ W13 to recompute FC1)."""
+    if isinstance(q, ExpertWeightsHP) or mode == "off":
         return NOTHING
     w13 = (q.w13, q.w13_scale) if recompute else (None, None)
     return ExpertWeightsFP8(*w13, q.w13_t, q.w13_t_scale, None, None, q.w2_t, q.w2_t_scale)
@@ -470,18 +479,19 @@ def weights_for_backward(
     in_gemm: bool = False,
 ) -> ExpertWeightsFP8 | ExpertWeightsHP:
     """The weights one backward GEMM needs: the weights themselves where the GEMMs quantize them
-    (``in_gemm``: the forward's :func:`quantized_in_gemm`), what forward kept, or (``"off"``) the transpose
-    quantized again from the same weights -- the same bits. ``weight`` is ``"w2"`` (FC2 dgrad's ``w2^T``) or
-    ``"w13"`` (FC1 dgrad's ``W13^T``, plus W13 itself when FC1 is recomputed; ``transpose=False``: W13
-    only, for a FC1 dgrad that does not run in FP8). One at a time, so the layer can drop each transpose
+    (``in_gemm``: the forward's :func:`quantized_in_gemm`), what forward kept where it holds them all, or
+    (``"off"``, or what forward did not make) the transpose quantized again from the same weights -- the same
+    bits. ``weight`` is ``"w2"`` (FC2 dgrad's ``w2^T``) or ``"w13"`` (FC1 dgrad's ``W13^T``, plus W13 itself
+    when FC1 is recomputed; ``transpose=False``: W13 only, for a FC1 dgrad that does not run in FP8). One at a time, so the layer can drop each transpose
     after its GEMM, before the weight gradients are written."""
     if in_gemm:
         return ExpertWeightsHP(w1, w2, w3)
-    if kept.w13_t is not None:
-        return kept
     if weight not in ("w2", "w13"):
         raise ValueError(f"weight must be 'w2' or 'w13', got {weight!r}")
     w13 = weight == "w13"
+    wanted = {"w13": w13 and recompute, "w13_t": w13 and transpose, "w2_t": not w13}
+    if all(getattr(kept, name) is not None for name, want in wanted.items() if want):
+        return kept
     return quantize_expert_weights(
-        w1, w2, w3, w13 and recompute, False, with_w13_t=w13 and transpose, with_w2_t=not w13
+        w1, w2, w3, wanted["w13"], False, with_w13_t=wanted["w13_t"], with_w2_t=wanted["w2_t"]
     )

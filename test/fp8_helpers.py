@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
 import subprocess
 import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +58,37 @@ def assert_accumulated(grad: torch.Tensor, existing: torch.Tensor, fresh: torch.
     else:
         ref = existing.float() + fresh.float()
         assert ((grad.float() - ref).abs() <= 2**-8 * (ref.abs() + fresh.float().abs()) + 1e-30).all()
+
+
+@contextlib.contextmanager
+def kernels_compiled() -> Iterator[list[str]]:
+    """Collect, while the block runs, every Triton or Gluon kernel specialization compiled in this process (one
+    that Triton had not met before: its name and its arguments' specializations), through Triton's
+    ``jit_cache_hook``, which Triton calls before each compile."""
+    from triton import knobs
+
+    compiled: list[str] = []
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(**kwargs: Any) -> bool | None:
+        compiled.append(kwargs["repr"])
+        return previous(**kwargs) if previous is not None else None
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield compiled
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
+def assert_sizes_compile_nothing_new(run: Callable[[int], None], sizes: Sequence[int]) -> None:
+    """``run(sizes[0])`` compiles what it needs; ``run`` at each other size must then compile no kernel (a
+    count that changes between steps must not recompile anything mid-training)."""
+    run(sizes[0])
+    with kernels_compiled() as compiled:
+        for size in sizes[1:]:
+            run(size)
+    assert not compiled, "compiled again for a new size:\n" + "\n".join(compiled)
 
 
 def edge_case_rows(k: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -20,7 +20,7 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE
-from fp8_helpers import assert_accumulated
+from fp8_helpers import assert_accumulated, assert_sizes_compile_nothing_new, make_routing
 from test_moe import PARAMS, ROUTINGS, _inputs, make_moe, run_step
 
 from fp8flow_ao.debug import FP8FlowOpCounter
@@ -310,6 +310,23 @@ def test_one_rank_group_is_the_single_process_path(one_rank_group, recompute, ba
     )
     for key, expected in ref.items():
         assert torch.equal(got[key].detach().cpu(), expected), key
+
+
+@pytest.mark.gpu
+def test_gpu_received_row_counts_compile_no_kernel(one_rank_group):
+    """Under EP the rows a rank receives change every step: forward + backward at a new count compiles no
+    kernel (on one rank the count follows the tokens; the dispatch path is the same)."""
+
+    def run(tokens: int) -> None:
+        x = torch.randn(tokens, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        probs = torch.rand(tokens, 2, device="cuda", requires_grad=True)
+        shapes = ((4, HIDDEN, DIM), (4, DIM, HIDDEN), (4, HIDDEN, DIM))
+        weights = [(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_() for s in shapes]
+        ids = make_routing("skewed", tokens, 2, 4, "cuda")
+        out = fp8flow_routed_experts(x, probs, ids, *weights, ep_group=one_rank_group)
+        out.float().square().sum().backward()
+
+    assert_sizes_compile_nothing_new(run, (2048, 2047, 2041, 2032, 1999, 1027))
 
 
 def test_sharded_experts_accumulate_into_their_dtensor_gradients(one_rank_group):

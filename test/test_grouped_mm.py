@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE
-from fp8_helpers import assert_accumulated, sqnr_db
+from fp8_helpers import assert_accumulated, assert_sizes_compile_nothing_new, sqnr_db
 
 from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.grouped_mm import fp8_grouped_mm
@@ -172,6 +172,19 @@ def test_gpu_unaligned_groups_no_sync(recipe):
     _check_numerics(
         [1000, 1000, 2309, 4000], recipe, device="cuda", shape=(4100, 1024, 2048), sync_debug=True, offs_aligned=False
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_gpu_new_row_counts_compile_no_kernel(recipe):
+    """A caller whose M changes from call to call (unaligned groups, an empty one) compiles its kernels once:
+    forward and backward at M = 2100 first, then at counts of every kind (odd, a multiple of 16, ...)."""
+
+    def run(m: int) -> None:
+        a, w, offs = _inputs([m // 4, m // 2, m // 2, m], m=m, k=256, n=256, device="cuda")
+        _run(a, w, offs, recipe, offs_aligned=False)
+
+    assert_sizes_compile_nothing_new(run, (2100, 2099, 2093, 2080, 2011))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

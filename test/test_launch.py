@@ -8,11 +8,13 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from fp8_helpers import kernels_compiled
 from triton.runtime.jit import JITFunction
 
 from fp8flow_ao.kernels import _launch
 from fp8flow_ao.kernels._launch import launch_kernel
 from fp8flow_ao.kernels._sm90_common import descriptor
+from fp8flow_ao.kernels._triton_common import jit_any_count
 
 
 @triton.jit
@@ -44,6 +46,21 @@ def test_each_specialization_gets_its_own_entry():
     if triton.__version__.startswith("3.6."):  # served by Triton 3.6's C launcher, called directly
         entries = [e for e in _launch._ENTRIES.values() if e.pins[0] is _scaled_copy_kernel]
         assert all(e.c_launch is not None and e.encodings == () for e in entries)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("jit", "expected"), [(triton.jit, 2), (jit_any_count("n"), 1)], ids=["jit", "jit_any_count"])
+def test_kernels_compiled_sees_each_new_specialization(jit, expected):
+    """The tests' compile counter (``kernels_compiled``) sees every compile: n = 100 and 99 share a
+    specialization, 96 (a multiple of 16) gets its own; ``jit_any_count("n")`` compiles one kernel for all."""
+    kernel = jit(_scaled_copy_kernel.fn)  # a fresh JITFunction: nothing of it compiled in this process
+    x = torch.randn(100, device="cuda")
+    with kernels_compiled() as compiled:
+        for n in (100, 99, 96, 100):
+            out = torch.zeros_like(x)
+            kernel[(1,)](x, out, n, 2.0, BLOCK=128)
+            torch.testing.assert_close(out[:n], x[:n] * 2.0, rtol=0, atol=0)
+    assert len(compiled) == expected and all("_scaled_copy_kernel" in c for c in compiled), compiled
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 from conftest import DEVICE
-from fp8_helpers import assert_accumulated, sqnr_db
+from fp8_helpers import assert_accumulated, assert_sizes_compile_nothing_new, make_routing, sqnr_db
 
 from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.moe import FP8FlowMoE, _routed_experts, convert_moe_layer, fp8flow_routed_experts
@@ -401,6 +401,49 @@ def test_input_that_needs_no_gradient_gets_no_fc1_dgrad(recompute, weight_quanti
         assert calls.counts[QUANTIZING_GEMMS] == full_calls.counts[QUANTIZING_GEMMS] - 1
 
 
+_TRANSPOSE_CASES = {  # (frozen, backward, (W13^T, w2^T) made)
+    "full": ((), "fp8", (True, True)),
+    "x_frozen": (("x",), "fp8", (False, True)),
+    "w2_alone": (("x", "probs", "w1", "w3"), "fp8", (False, False)),
+    "bf16_fc1_dgrad": ((), "bf16_fc1_dgrad", (False, True)),
+    "bf16": ((), "bf16", (False, False)),
+}
+
+
+@pytest.mark.parametrize(
+    ("frozen", "backward", "transposes", "recompute"),
+    [
+        pytest.param(*case, recompute, id=f"{name}-{'recompute' if recompute else 'stored'}")
+        for name, case in _TRANSPOSE_CASES.items()
+        for recompute in (False, True)
+        if not (recompute and case[1] == "bf16")  # the BF16 ablation reads FC1's saved output
+    ],
+)
+def test_forward_weight_cache_makes_only_the_transposes_backward_reads(frozen, backward, transposes, recompute):
+    """``weight_cache="forward"`` writes beside the forward tiles only the transposes of the dgrads that run in
+    FP8, (W13^T, w2^T) = ``transposes``: none for FC1's when x needs no gradient or FC1's dgrad runs in BF16, none
+    at all where w2 alone trains or backward is BF16. Backward quantizes no weight again, and every gradient is
+    the same bits as with ``"off"``."""
+    x, probs, ids, weights = _experts_inputs()
+    grad = torch.randn_like(x)
+    leaves = dict(zip(("x", "probs", "w1", "w2", "w3"), (x, probs, *weights), strict=True))
+    leaves.update({name: leaves[name].detach() for name in frozen})
+    wanted = [t for t in leaves.values() if t.requires_grad]
+    kwargs = {"recompute_experts": recompute, "backward": backward}
+    args = (leaves["x"], leaves["probs"], ids, leaves["w1"], leaves["w2"], leaves["w3"])
+    with _Calls() as forward:
+        out = fp8flow_routed_experts(*args, weight_cache="forward", **kwargs)
+    with _Calls() as backward_calls:
+        got = torch.autograd.grad(out, wanted, grad)
+    off = torch.autograd.grad(fp8flow_routed_experts(*args, **kwargs), wanted, grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, off, strict=True))
+    # W13 and w2 in one launch where they take the same orientations, else one each (W13 first)
+    pair = transposes[0] == transposes[1]
+    made = [("quantize_128x128_pair", transposes[0])] if pair else [("quantize_128x128", t) for t in transposes]
+    assert [c for c in forward.transposes if c[0].startswith("quantize_128x128")] == made
+    assert backward_calls.counts["quantize_128x128"] == backward_calls.counts["quantize_128x128_pair"] == 0
+
+
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 def test_w2_alone_training_runs_only_its_weight_gradient(recompute):
     """Only w2 needs a gradient (x, the probs, w1 and w3 frozen): backward runs FC2's wgrad and nothing before it
@@ -511,6 +554,20 @@ def test_gpu_recompute_trains_as_stored_in_torchtitan_s_setting(backend):
         for key in ("out", "x", *PARAMS):
             assert torch.isfinite(stored[key]).all(), (i, key)
             assert torch.equal(stored[key], recomputed[key]), (i, key)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
+def test_gpu_new_token_counts_compile_no_kernel(recompute):
+    """The layer forward + backward at a new token count (skewed routing) compiles no kernel: the counts
+    reach the kernels as arguments Triton does not specialize on, and every padded count is a multiple of 128."""
+
+    def run(tokens: int) -> None:
+        x, probs, _, weights = _experts_inputs(tokens=tokens)
+        ids = make_routing("skewed", tokens, 2, 4, "cuda")
+        fp8flow_routed_experts(x, probs, ids, *weights, recompute_experts=recompute).float().square().sum().backward()
+
+    assert_sizes_compile_nothing_new(run, (2048, 2047, 2041, 2032, 1999, 1027))
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["x_bf16", "x_fp32"])

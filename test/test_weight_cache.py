@@ -340,13 +340,17 @@ def test_cached_weights_can_still_be_swapped():
 
 @pytest.mark.parametrize("mode", ["forward", "step"])
 def test_modes_keep_the_transposes_for_backward(mode):
-    """ "off" saves no FP8 weight copy (test_moe); the others keep the exact transposes [E, D, 2H], [E, H, D]."""
+    """ "off" saves no FP8 weight copy (test_moe); the others keep the exact transposes [E, D, 2H], [E, H, D]:
+    "forward" only those of the dgrads that will run (none for FC1's while x needs no gradient), "step" its
+    cached tiles in any case."""
     x, probs, ids, _, weights = _layer_inputs()
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        fp8flow_routed_experts(x, probs.requires_grad_(), ids, *weights, weight_cache=mode)
-    fp8_weights = sorted(tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn and t.dim() == 3)
-    assert fp8_weights == [(EXPERTS, HIDDEN, DIM), (EXPERTS, DIM, 2 * HIDDEN)]
+    for x_grad in (True, False):
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
+            fp8flow_routed_experts(x.requires_grad_(x_grad), probs.requires_grad_(), ids, *weights, weight_cache=mode)
+        fp8_weights = sorted(tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn and t.dim() == 3)
+        w13_t = [(EXPERTS, DIM, 2 * HIDDEN)] if x_grad or mode == "step" else []
+        assert fp8_weights == [(EXPERTS, HIDDEN, DIM), *w13_t], x_grad
     assert (len(EXPERT_WEIGHT_CACHE) == 1) == (mode == "step")
 
 

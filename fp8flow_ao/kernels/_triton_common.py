@@ -25,6 +25,22 @@ MAX_SHIFT = 24
 _TL_MAX_SHIFT = tl.constexpr(MAX_SHIFT)
 
 
+def jit_any_count(*counts: str):
+    """``triton.jit`` that compiles one kernel for every value of the named row/token-count arguments.
+
+    Triton specializes an int argument on ``== 1`` and on being a multiple of 16, and compiles a kernel for
+    each combination it meets. Counts that change from step to step (the rows an expert-parallel rank
+    receives, ``fp8_grouped_mm``'s unaligned ``M``) then recompile kernels in the middle of training, a
+    second or more each. Name only counts that vary and that mask whole rows (each row a vector of its own):
+    the compiler vectorizes a masked access only where it knows the mask constant over the vector, and a
+    stride must stay divisible to vectorize at all. Padded counts (multiples of 128: the padded rows, a
+    column-major ``[K, M]`` output's ``M``) keep their specialization, which never changes; so does a
+    count the launcher rounds to a multiple of 16. Measured on sm_90 SASS: the unpermute backward's pad-row
+    loads lost their 128-bit vectors with the padded row count unspecialized, and the route's fill stores
+    with its per-program share."""
+    return triton.jit(do_not_specialize=list(counts))
+
+
 @triton.jit
 def pow2_scale_inv_and_scale(amax):
     """fp32 block maxima (>= 0, no NaN) -> (scale_inv = 2**k, scale = 2**-k); +inf -> (inf, 0)."""

@@ -18,13 +18,13 @@ computed in fp32 and rounded once to ``out_dtype``.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from fp8flow_ao._checks import check_contiguous, check_fp8, check_no_grad, check_same_device, check_shape, check_tensor
 from fp8flow_ao._format import BLOCK, dequantize_rows_reference
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel
 from fp8flow_ao.kernels._registry import define_op
+from fp8flow_ao.kernels._triton_common import jit_any_count
 
 LAYOUTS = ("rowwise", "colwise", "128x128")
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -35,7 +35,7 @@ _BLOCK_R = 64
 _NUM_WARPS = 4
 
 
-@triton.jit
+@jit_any_count("R")
 def _dequantize_kernel(
     data_ptr,
     scale_ptr,

@@ -28,6 +28,7 @@ from fp8flow_ao._checks import check_contiguous, check_tensor
 from fp8flow_ao._format import BLOCK
 from fp8flow_ao.kernels._launch import launch_kernel, next_pow2
 from fp8flow_ao.kernels._registry import define_op
+from fp8flow_ao.kernels._triton_common import jit_any_count
 from fp8flow_ao.kernels.permute_pad import padded_rows_bound
 
 _GROUP_ALIGN = tl.constexpr(BLOCK)
@@ -38,7 +39,7 @@ def _max_combine(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+@jit_any_count("M")
 def _pad_group_offsets_kernel(
     offs_ptr,
     src_rows_ptr,

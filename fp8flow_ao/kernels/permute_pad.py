@@ -60,7 +60,7 @@ from fp8flow_ao._checks import (
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel, next_pow2
 from fp8flow_ao.kernels._registry import define_op
-from fp8flow_ao.kernels._triton_common import col_block, nan_free_abs, pow2_scale_inv_and_scale
+from fp8flow_ao.kernels._triton_common import col_block, jit_any_count, nan_free_abs, pow2_scale_inv_and_scale
 
 # Importing it also registers fp8flow::unpermute_unpad, which is the backward of the gather here.
 from fp8flow_ao.kernels.unpermute_unpad import _unpermute_unpad_op, take_rows_or_zero
@@ -111,7 +111,7 @@ def _clamped_expert_ids(ids_ptr, rows, row_ok, num_experts):
     return tl.where(row_ok, tl.minimum(tl.maximum(ids, 0), num_experts - 1), -1)
 
 
-@triton.jit
+@jit_any_count("num_routed")
 def _route_count_kernel(
     ids_ptr,
     counts_ptr,
@@ -144,7 +144,7 @@ def _route_count_kernel(
             tl.store(probs_out_ptr + offs, tl.zeros([FILL_BLOCK], tl.float32), mask=ok)
 
 
-@triton.jit
+@jit_any_count("num_blocks")
 def _route_scan_kernel(
     counts_ptr, totals_ptr, num_blocks, SCAN_R: tl.constexpr, SCAN_E: tl.constexpr, BLOCK_E: tl.constexpr
 ):
@@ -162,7 +162,7 @@ def _route_scan_kernel(
     tl.store(totals_ptr + e, carry)
 
 
-@triton.jit
+@jit_any_count("num_routed")
 def _route_scatter_kernel(
     ids_ptr,
     bases_ptr,
@@ -237,7 +237,8 @@ def launch_route_pad(
         n,
         num_rows,
         num_experts,
-        cdiv(num_rows, num_blocks),
+        # a multiple of 16 for every count: Triton keeps it specialized (no recompile) and vectorizes the stores
+        16 * cdiv(num_rows, 16 * num_blocks),
         BLOCK_R=block_r,
         FILL_BLOCK=_ROUTE_FILL_BLOCK,
         **flags,
@@ -384,7 +385,7 @@ def _row_block(rows_of, rows, ok, cols_):
     return data, ok[:, None] & col_ok[None, :], scale, ok[:, None] & s_ok[None, :]
 
 
-@triton.jit
+@jit_any_count("num_tokens")
 def _permute_pad_rows_kernel(
     x_ptr,
     x_scale_ptr,

@@ -42,6 +42,7 @@ from fp8flow_ao.kernels._launch import cdiv, launch_kernel, next_pow2
 from fp8flow_ao.kernels._registry import define_op
 from fp8flow_ao.kernels._triton_common import (
     gathered_rows,
+    jit_any_count,
     last_group_end,
     nan_free_abs,
     pow2_scale_inv_and_scale,
@@ -63,7 +64,7 @@ _TRANSPOSE_NUM_WARPS = 8
 _TL_BLOCK = tl.constexpr(BLOCK)
 
 
-@triton.jit
+@jit_any_count("M")
 def _quantize_1x128_kernel(
     x_ptr,
     src_rows_ptr,

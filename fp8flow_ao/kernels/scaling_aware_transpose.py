@@ -67,6 +67,7 @@ from fp8flow_ao.kernels._sm90_common import (
 from fp8flow_ao.kernels._triton_common import (
     MAX_SHIFT,
     exponent_shift_multiplier,
+    jit_any_count,
     last_group_end,
     reencode_tile_transposed,
 )
@@ -191,7 +192,7 @@ def _load_tile(
     return x0, x1, x2, x3, s0, s1, s2, s3
 
 
-@triton.jit(do_not_specialize=["group_m"])  # it follows M when group_m is None: no recompile per M
+@jit_any_count("group_m")  # it follows M when group_m is None
 def _scaling_aware_transpose_kernel(
     data_ptr,
     scale_inv_ptr,

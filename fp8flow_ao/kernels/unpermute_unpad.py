@@ -18,7 +18,6 @@ Layouts: ``y`` row-major (row stride free); ``dst_rows`` int32 ``[T * k]`` (flat
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from fp8flow_ao._checks import (
@@ -35,7 +34,7 @@ from fp8flow_ao._checks import (
 )
 from fp8flow_ao.kernels._launch import cdiv, launch_kernel, next_pow2
 from fp8flow_ao.kernels._registry import define_op
-from fp8flow_ao.kernels._triton_common import col_block
+from fp8flow_ao.kernels._triton_common import col_block, jit_any_count
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _PROBS_DTYPES = (torch.float32, torch.bfloat16)
@@ -57,7 +56,7 @@ def _tiles(cols: int, elem_size: int) -> tuple[int, int]:
     return max(1, _TILE_ELEMS // block_d), block_d
 
 
-@triton.jit
+@jit_any_count("num_tokens")
 def _unpermute_unpad_kernel(
     y_ptr,
     dst_rows_ptr,
@@ -120,7 +119,7 @@ def launch_unpermute_unpad(
     return out
 
 
-@triton.jit
+@jit_any_count("num_tokens", "token_programs")
 def _unpermute_unpad_backward_kernel(
     grad_out_ptr,
     y_ptr,
