@@ -385,7 +385,7 @@ def _row_block(rows_of, rows, ok, cols_):
     return data, ok[:, None] & col_ok[None, :], scale, ok[:, None] & s_ok[None, :]
 
 
-@jit_any_count("num_tokens")
+@jit_any_count("num_rows", "num_tokens")
 def _permute_pad_rows_kernel(
     x_ptr,
     x_scale_ptr,
