@@ -129,7 +129,8 @@ def plan_runs(groups: list[str], gpus: int, work: Path, scale_steps: int = 100) 
             extra = ["--fp8flow.recompute_experts"] if r == "fp8flow" else []
             runs.append(RunSpec(f"compile-{r}", r, (*debug, *ep, "--compile.enable", *extra, *dump(f"compile-{r}"))))
     if "perf" in groups:
-        perf = ("--model.flavor", "fp8flow_gpu", "--training.steps", "30", *ep, "--compile.enable")
+        # 60 steps: one 30-step run resolved this ~0.13 s step to about +-10% (session 48: 1.06-1.27x over four)
+        perf = ("--model.flavor", "fp8flow_gpu", "--training.steps", "60", *ep, "--compile.enable")
         runs += [RunSpec(f"perf-{r}", r, (*perf, *dump(f"perf-{r}"))) for r in RECIPES]
     if "scale" in groups:
         scale = (
@@ -207,6 +208,18 @@ def _gap(ours: list[float], base: list[float]) -> float:
     return 100 * statistics.mean(abs(a - b) / b for a, b in zip(ours[half:], base[half:], strict=True))
 
 
+def _quartiles_ms(seconds: list[float]) -> str:
+    """The timed steps' spread: first and third quartile of the step times, in ms."""
+    q1, _, q3 = statistics.quantiles(seconds, n=4) if len(seconds) > 1 else seconds * 3
+    return f"{q1 * 1e3:.1f}-{q3 * 1e3:.1f}"
+
+
+def _slow_steps(seconds: list[float], warm: int) -> list[int]:
+    """Timed steps (1-based step numbers) above 3x the median: one-off stalls such as a recompile."""
+    median = statistics.median(seconds[warm:])
+    return [warm + 1 + i for i, t in enumerate(seconds[warm:]) if t > 3 * median]
+
+
 def report(records: dict, name: str) -> None:
     rows, notes = [], []
     ok = {k: v for k, v in records.items() if not v.get("failed")}
@@ -218,7 +231,8 @@ def report(records: dict, name: str) -> None:
         if not (bf16 and fp8):
             continue
         warm = 5 if mode in ("perf", "scale") else 3
-        step_us = {k: statistics.median(r["step_seconds"][warm:]) * 1e6 for k, r in (("bf16", bf16), ("fp8", fp8))}
+        timed = {k: r["step_seconds"][warm:] for k, r in (("bf16", bf16), ("fp8", fp8))}
+        step_us = {k: statistics.median(t) * 1e6 for k, t in timed.items()}
         tokens = fp8["tokens_per_step"]
         args = fp8["args"]
         shown = [a for i, a in enumerate(args) if "--job.dump_folder" not in (a, args[i - 1] if i else "")]
@@ -235,6 +249,11 @@ def report(records: dict, name: str) -> None:
                 last_loss=round(fp8["losses"][-1], 4),
                 baseline_last_loss=round(bf16["losses"][-1], 4),
                 loss_gap_pct_second_half=round(_gap(fp8["losses"], bf16["losses"]), 3),
+                timed_steps=len(timed["fp8"]),
+                step_ms_p25_p75=_quartiles_ms(timed["fp8"]),
+                baseline_step_ms_p25_p75=_quartiles_ms(timed["bf16"]),
+                slow_steps=_slow_steps(fp8["step_seconds"], warm),
+                baseline_slow_steps=_slow_steps(bf16["step_seconds"], warm),
             )
         )
     gathered, plain = ok.get("fsdp-fp8gather"), ok.get("fsdp-fp8flow")
@@ -267,7 +286,11 @@ def report(records: dict, name: str) -> None:
                 f"{[round(v, 4) for v in cross['losses'][:3]]} vs the {src} run's step 25-26 "
                 f"{[round(v, 4) for v in ok[f'ep-{src}']['losses'][24:26]]} and step 1 {round(ok[f'ep-{src}']['losses'][0], 4)}."
             )
-    notes.append("Step time = median after the first steps (3, or 5 with compile for perf); tokens per GPU per step.")
+    notes.append(
+        "Step time = median after the first steps (3, or 5 with compile for perf); tokens per GPU per step. "
+        "step_ms_p25_p75: the quartiles of the timed steps; slow_steps: timed steps above 3x the median (one-off "
+        "stalls, e.g. a recompile)."
+    )
     write_results(name, rows, "\n\n".join(notes))
 
 

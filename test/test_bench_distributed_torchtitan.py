@@ -77,3 +77,22 @@ def test_budget_skips_runs_that_would_end_past_it_and_saves_after_each(tmp_path,
     assert launched == ["a", "b"]
     assert records["c"]["skipped_because"] == records["d"]["skipped_because"] == "over --budget-s"
     assert saved == [["a"], ["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]]
+
+
+def test_report_gives_each_mode_its_step_spread_and_stalls(monkeypatch):
+    """The perf row shows the timed steps' quartiles and names the one-off stalls (a step above 3x the median,
+    e.g. a recompile): a single run's median hides both."""
+    written = []
+    monkeypatch.setattr(bench, "write_results", lambda name, rows, notes: written.append(rows))
+
+    def record(seconds: list[float]) -> dict:
+        return {"step_seconds": seconds, "losses": [1.0] * len(seconds), "tokens_per_step": 1000, "peak_mem_gib": 1.0}
+
+    warmup = [9.0] * 5  # compile: left out of every statistic
+    fp8 = warmup + [0.10, 0.12, 2.0, 0.11, 0.13, 0.10, 0.12, 0.11]  # a stall at step 8
+    bf16 = warmup + [0.15] * 8
+    bench.report({"perf-fp8flow": record(fp8) | {"args": ["--x"]}, "perf-bf16": record(bf16)}, "name")
+    (row,) = written[0]
+    assert row["ours_us"] == pytest.approx(115_000) and row["baseline_us"] == pytest.approx(150_000)
+    assert row["timed_steps"] == 8 and row["slow_steps"] == [8] and row["baseline_slow_steps"] == []
+    assert row["step_ms_p25_p75"] == "102.5-127.5" and row["baseline_step_ms_p25_p75"] == "150.0-150.0"

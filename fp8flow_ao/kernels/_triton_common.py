@@ -7,6 +7,8 @@ exactly on every input, including the GPU and the CPU interpreter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import triton
 import triton.language as tl
 
@@ -25,7 +27,7 @@ MAX_SHIFT = 24
 _TL_MAX_SHIFT = tl.constexpr(MAX_SHIFT)
 
 
-def jit_any_count(*counts: str):
+def jit_any_count(*counts: str) -> Callable[[Callable[..., object]], triton.runtime.JITFunction]:
     """``triton.jit`` that compiles one kernel for every value of the named row/token-count arguments.
 
     Triton specializes an int argument on ``== 1`` and on being a multiple of 16, and compiles a kernel for
