@@ -43,7 +43,10 @@ def _read_globals(fn: types.FunctionType) -> set[str]:
     func = tree.body[0]
     local = {a.arg for a in func.args.args + func.args.kwonlyargs}
     local |= {n.id for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    loads = {n.id for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    # the body's reads (not the decorators': triton.jit, jit_any_count run on the host)
+    loads = {
+        n.id for stmt in func.body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    }
     return {name for name in loads - local if name in fn.__globals__}
 
 
@@ -52,7 +55,6 @@ def _allowed(value: object) -> bool:
     return (
         isinstance(value, tl.constexpr | types.ModuleType)
         or hasattr(value, "run")
-        or value is triton.jit
         or getattr(value, "__triton_builtin__", False)
     )
 
