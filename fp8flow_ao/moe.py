@@ -97,6 +97,9 @@ EMULATIONS = {"emulated_fp8_fc1_dgrad": "nearest", "emulated_sr_fc1_dgrad": "sto
 dgrad in BF16 GEMMs on the values an FP8 GEMM would multiply, dh rounded to the 1x128 FP8 grid (to nearest,
 as FP8-Flow does, or stochastically, unbiased) and the forward's FP8 W13 tiles (:func:`_fc1_dgrad_bf16`).
 Like ``"bf16_fc1_dgrad"`` they compile and work with every option but ``fsdp_fp8_all_gather``."""
+# The backwards whose FC1 dgrad is not an FP8 GEMM (none in "bf16"; BF16 GEMMs in the others): their forward
+# makes no W13 transpose for it.
+_NO_FP8_FC1_DGRAD = ("bf16", "bf16_fc1_dgrad", *EMULATIONS)
 
 
 def _fp8_wgrads(backward: str) -> bool:
@@ -198,7 +201,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
         ctx.dgrad_a = ctx.dgrad_x or needs[1] or ctx.wgrads[1] or not _fp8_wgrads(backward)
         # The dgrads that will run as FP8 GEMMs, each on its weight's exact transpose ("bf16" runs none; the
         # FC1 ablations and emulations run FC1's in BF16): only those transposes are made and kept.
-        ctx.fp8_fc1_dgrad = ctx.dgrad_x and backward not in ("bf16", "bf16_fc1_dgrad", *EMULATIONS)
+        ctx.fp8_fc1_dgrad = ctx.dgrad_x and backward not in _NO_FP8_FC1_DGRAD
         fp8_fc2_dgrad = ctx.dgrad_a and backward != "bf16"
         # The weights whose existing gradient backward's wgrads may add into (gradient accumulation: whether
         # they do is decided there, see fused_grad_target).

@@ -13,10 +13,10 @@ tile themselves as they load it from the BF16 weights (the same bits: :class:`Ex
   the weights outlives its GEMM: the least memory; each BF16 weight byte is read twice per micro-batch.
 * ``"forward"``: forward writes both orientations in one pass and keeps the transposes for backward
   (and W13 itself with ``recompute_experts``): those of the dgrads that run in FP8, so none of W13's where
-  the layer's input needs no gradient (FC1's dgrad does not run) and none at all where ``w2`` alone trains. Reads the BF16 weights once per micro-batch, saves one
-  ``quantize_128x128`` launch per weight; costs ``3*E*H*D`` bytes per layer (half the BF16 weight
-  bytes; + ``2*E*H*D`` for W13 with recompute) held from the layer's forward to its backward, i.e.
-  every layer's at once at the forward/backward boundary. Works under ``torch.compile``.
+  the layer's input needs no gradient (FC1's dgrad does not run) and none at all where ``w2`` alone trains.
+  Reads the BF16 weights once per micro-batch, saves one ``quantize_128x128`` launch per weight; costs
+  ``3*E*H*D`` bytes per layer (half the BF16 weight bytes; + ``2*E*H*D`` for W13 with recompute) held from
+  the layer's forward to its backward, i.e. every layer's at once at the forward/backward boundary. Works under ``torch.compile``.
 * ``"step"``: both orientations are cached across micro-batches and steps (:class:`FP8WeightCache`,
   :data:`EXPERT_WEIGHT_CACHE`) and re-quantized on the first use after the weights change: with
   gradient accumulation micro-batches 2..n quantize nothing. Costs ``6*E*H*D`` bytes per layer (as
@@ -482,8 +482,8 @@ def weights_for_backward(
     (``in_gemm``: the forward's :func:`quantized_in_gemm`), what forward kept where it holds them all, or
     (``"off"``, or what forward did not make) the transpose quantized again from the same weights -- the same
     bits. ``weight`` is ``"w2"`` (FC2 dgrad's ``w2^T``) or ``"w13"`` (FC1 dgrad's ``W13^T``, plus W13 itself
-    when FC1 is recomputed; ``transpose=False``: W13 only, for a FC1 dgrad that does not run in FP8). One at a time, so the layer can drop each transpose
-    after its GEMM, before the weight gradients are written."""
+    when FC1 is recomputed; ``transpose=False``: W13 only, for a FC1 dgrad that does not run in FP8). One at a
+    time, so the layer can drop each transpose after its GEMM, before the weight gradients are written."""
     if in_gemm:
         return ExpertWeightsHP(w1, w2, w3)
     if weight not in ("w2", "w13"):
