@@ -36,6 +36,9 @@ def _routing(moe: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch
 def test_reference_is_torchtitans_routed_path(routing):
     """torchtitan's own fp32 MoE layer minus its shared expert = the reference on the layer's routing."""
     moe = make_moe(**ROUTINGS[routing], dtype=torch.float32)
+    # torchtitan's grouped experts (make_moe's choice on a GPU) multiply in bf16 (_run_experts_grouped_mm casts):
+    # its fp32 layer is the for-loop one on every device.
+    moe.experts.use_grouped_mm = False
     x = _tokens(dtype=torch.float32)
     top_scores, ids = _routing(moe, x)
     with torch.no_grad(), integer_histc():

@@ -93,7 +93,8 @@ _ROUTE_FILL_BLOCK = 1024
 # Expert lanes per program of the count table's scan (4 int32 of each block's row), so E = 128 scans in
 # 32 programs: one program scanning all lanes had taken 23-45 us of route_pad's 39-70 (E = 128, H200).
 _ROUTE_SCAN_LANES = 4
-# Most blocks per step of that scan (more loop with a carried count; fewer blocks, a smaller tile).
+# Blocks per step of that scan (more loop with a carried count). One tile for every count, masked past the
+# last block: a tile sized to the count would compile a kernel for each new power of two of blocks.
 _ROUTE_SCAN_ROWS = 1024
 
 
@@ -251,7 +252,7 @@ def launch_route_pad(
         counts,
         totals,
         num_blocks,
-        SCAN_R=min(_ROUTE_SCAN_ROWS, next_pow2(num_blocks)),
+        SCAN_R=_ROUTE_SCAN_ROWS,
         SCAN_E=scan_e,
         BLOCK_E=block_e,
     )
