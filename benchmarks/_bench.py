@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -228,7 +229,7 @@ def write_results(
         "benchmark": name,
         "device": device,
         "versions": versions_,
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        "command": "python " + shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),  # re-runnable as printed
         "date": datetime.date.today().isoformat(),
         "copy_bandwidth_gbps": round(copy_bandwidth_gbps(), 1)
         if torch.cuda.is_available() and not measured_on

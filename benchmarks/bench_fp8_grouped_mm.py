@@ -18,6 +18,9 @@ torchtitan calls it) and the same group END offsets. Modes:
 * ``fwd+bwd accumulate``: forward and ``out.backward(dOut)`` with ``A.grad`` and ``W.grad`` already
   present (gradient accumulation: our wgrad adds into ``W.grad`` in its epilogue, the others write
   dW and autograd adds it).
+* ``fwd+bwd cuda graph`` (``--modes``; not run by default): ``fwd+bwd`` captured once in a CUDA graph per method
+  and replayed, as a caller does whose step is host-bound (fine-grained experts): what is left is the device's
+  time. Ours and BF16 only (torchao's ops are compared eagerly).
 
 SQNR (dB) of out, dA and dW of every method against fp32 math on the same bf16 operands (one fp32
 matmul per group) is in each row, ours and the baseline's. Shapes: the DeepSeek-V3 anchors of
@@ -27,10 +30,15 @@ whose groups are not multiples of 128 (ours pads on the device; the aligned case
 ``offs_aligned=True``, the FP8-Flow layout).
 
     python benchmarks/bench_fp8_grouped_mm.py
+    python benchmarks/bench_fp8_grouped_mm.py --cases E=128 E=64 --modes "fwd+bwd" "fwd+bwd cuda graph" --tag _cuda_graph
+
+``--cases`` keeps the cases whose name (``M=... K=... N=... E=... routing``) contains any of the given strings;
+``--tag`` is appended to the result files' names.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from collections.abc import Callable
@@ -70,8 +78,15 @@ CASES = [
     (32768, 4096, 2048, 128, "skewed"),  # 128 experts, 256 tokens/expert on average, some empty
     (16384, _QW.dim, 2 * _QW.hidden, _QW.experts, "unaligned"),  # group sizes as routed: ours pads
 ]
-MODES = ("fwd", "fwd+bwd", "fwd+bwd accumulate")
-FLOPS_PER_MODE = {"fwd": 2, "fwd+bwd": 6, "fwd+bwd accumulate": 6}  # x M N K
+DEFAULT_MODES = ("fwd", "fwd+bwd", "fwd+bwd accumulate")
+GRAPHED_MODE = "fwd+bwd cuda graph"
+FLOPS_PER_MODE = {"fwd": 2, "fwd+bwd": 6, "fwd+bwd accumulate": 6, GRAPHED_MODE: 6}  # x M N K
+GRAPHED_BASELINE = "bf16 torch._grouped_mm"  # the graphed mode times ours and this one
+GRAPHED_NOTE = (
+    "forward + autograd.grad captured once in a CUDA graph per method (after two warm-up calls on a side stream) "
+    "and replayed, ours and BF16 torch._grouped_mm only: the host enqueues one graph launch, so the time is the "
+    "device's."
+)
 
 
 def group_counts(m: int, e: int, routing: str) -> list[int]:
@@ -149,6 +164,20 @@ def accuracy(fn: Callable, p: dict, ref: tuple) -> dict[str, float]:
     return {name: round(sqnr_db(r, x), 2) for name, r, x in zip(("out", "dA", "dW"), want, got, strict=True)}
 
 
+def captured(step: Callable[[], object]) -> Callable[[], None]:
+    """``step`` captured in a CUDA graph (after a warm-up on a side stream): the graph's ``replay``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def timed(fn: Callable, p: dict, mode: str) -> tuple[float, float, float]:
     """Median microseconds of one call in ``mode`` (see the module docstring), then the host's and the
     device's microseconds per call measured apart (``host_and_device_us``)."""
@@ -160,11 +189,13 @@ def timed(fn: Callable, p: dict, mode: str) -> tuple[float, float, float]:
             with torch.no_grad():
                 fn(a, w.transpose(-2, -1), offs)
 
-    elif mode == "fwd+bwd":
+    elif mode in ("fwd+bwd", GRAPHED_MODE):
 
         def step():
             torch.autograd.grad(fn(a, w.transpose(-2, -1), offs), (a, w), grad_out)
 
+        if mode == GRAPHED_MODE:
+            step = captured(step)
     else:
         a.grad, w.grad = torch.zeros_like(a), torch.zeros_like(w)
 
@@ -177,8 +208,9 @@ def timed(fn: Callable, p: dict, mode: str) -> tuple[float, float, float]:
 
 HOST_DEVICE_ITERS = 10
 NOTES = (
-    "Whole op, quantization included, bf16 inputs and weights. ours_us / baseline_us: end to end (the larger "
-    "of host and device time); ours_host_us, ours_device_us, baseline_host_us, baseline_device_us: measured "
+    "Whole op, quantization included, bf16 inputs and weights. ours_us / baseline_us: end to end, the median "
+    "of do_bench's single calls timed by CUDA events (its L2 flush runs between calls; a host slower than the "
+    "device shows here); ours_host_us, ours_device_us, baseline_host_us, baseline_device_us: measured "
     "apart with the GPU held busy (host above device = host-bound: the op then runs at the host CPU's speed), "
     "device_speedup = baseline_device_us / ours_device_us. tflops = ours, baseline_tflops = the named "
     "baseline on the same FLOPs (fwd 2MNK, fwd+bwd 6MNK). sqnr_* = ours, baseline_sqnr_* = the baseline, "
@@ -188,24 +220,34 @@ NOTES = (
 )
 
 
-def run(deep_gemm) -> list[dict]:
+def timed_methods(found: dict[str, Callable], p: dict, mode: str) -> dict[str, tuple]:
+    """``timed`` of each method; the graphed mode times ours and BF16 only (torchao's ops are compared eagerly)."""
+    graphed = mode == GRAPHED_MODE
+    return {name: timed(fn, p, mode) for name, fn in found.items() if not graphed or name in ("ours", GRAPHED_BASELINE)}
+
+
+def case_name(m: int, k: int, n: int, e: int, routing: str) -> str:
+    return f"M={m} K={k} N={n} E={e} {routing}"
+
+
+def run(deep_gemm, cases: list[tuple], modes: tuple[str, ...], tag: str) -> list[dict]:
     """Every case; the result files are rewritten after each one, so a run stopped by its time limit
     (DeepGEMM compiles each new shape on first use) keeps the cases it finished."""
     rows_out = []
-    for i, (m, k, n, e, routing) in enumerate(CASES):
+    for i, (m, k, n, e, routing) in enumerate(cases):
         p = make_problem(m, k, n, e, routing)
-        case = f"M={m} K={k} N={n} E={e} {routing}"
+        case = case_name(m, k, n, e, routing)
         ref = fp32_reference(p)
         found = methods(p, deep_gemm)
         sqnr = {name: accuracy(fn, p, ref) for name, fn in found.items()}
         del ref
-        for mode in MODES:
-            times = {name: timed(fn, p, mode) for name, fn in found.items()}
+        for mode in modes:
+            times = timed_methods(found, p, mode)
             us = {name: t[0] for name, t in times.items()}
             flops = FLOPS_PER_MODE[mode] * m * n * k
             print(f"{mode} {case}: " + ", ".join(f"{name} {t:.0f} us" for name, t in us.items()), flush=True)
             _, ours_host, ours_device = times["ours"]
-            for name in list(found)[1:]:
+            for name in list(times)[1:]:
                 rows_out.append(
                     row(
                         f"{mode} {case}",
@@ -225,16 +267,35 @@ def run(deep_gemm) -> list[dict]:
                 )
         del p
         torch.cuda.empty_cache()
-        done = "" if i + 1 == len(CASES) else f" Partial: {i + 1} of {len(CASES)} cases (the run stopped)."
-        write_results("fp8_grouped_mm", rows_out, NOTES + done)
+        done = "" if i + 1 == len(cases) else f" Partial: {i + 1} of {len(cases)} cases (the run stopped)."
+        graphed = f" '{GRAPHED_MODE}': {GRAPHED_NOTE}" if GRAPHED_MODE in modes else ""
+        write_results("fp8_grouped_mm" + tag, rows_out, NOTES + graphed + done)
     return rows_out
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    names = [case_name(*c) for c in CASES]
+    parser.add_argument(
+        "--cases", nargs="+", default=None, help=f"keep the cases whose name contains any of these (names: {names})"
+    )
+    parser.add_argument(
+        "--modes", nargs="+", choices=(*DEFAULT_MODES, GRAPHED_MODE), default=list(DEFAULT_MODES), help="modes to time"
+    )
+    parser.add_argument("--tag", default="", help="appended to the result files' names (keeps another run's files)")
+    args = parser.parse_args(argv)
+    args.cases = [c for c in CASES if args.cases is None or any(s in case_name(*c) for s in args.cases)]
+    if not args.cases:
+        parser.error(f"--cases matched none of {names}")
+    return args
+
+
 def main() -> None:
+    args = parse_args()
     if not require_cuda("bench_fp8_grouped_mm"):
         return
     torch.manual_seed(0)
-    run(import_deep_gemm())
+    run(import_deep_gemm(), args.cases, tuple(args.modes), args.tag)
 
 
 if __name__ == "__main__":

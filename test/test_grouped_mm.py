@@ -187,6 +187,98 @@ def test_gpu_new_row_counts_compile_no_kernel(recipe):
     assert_sizes_compile_nothing_new(run, (2100, 2099, 2093, 2080, 2011))
 
 
+# Group ends and M for CUDA graph capture: 128 rows an expert (the weight quantized inside the forward GEMM), 512
+# (quantize_128x128 before it, a transposed copy for the dgrad), and unaligned groups (padded on the device).
+GRAPHED = {
+    "aligned_in_gemm": ([128, 256, 384, 512], 512),
+    "aligned_separate": ([512, 1024, 1536, 2048], 2048),
+    "unaligned": ([129, 384, 384, 500], 500),
+}
+
+
+def _graph_operands(ends: list[int], m: int, accumulate: bool) -> dict[str, torch.Tensor]:
+    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    a = torch.randn(m, 256, device="cuda").to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(len(ends), 256, 256, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
+    if accumulate:
+        a.grad, w.grad = torch.randn_like(a), torch.randn_like(w)
+    return {"a": a, "w": w, "offs": offs, "grad_out": torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)}
+
+
+def _graph_step(t: dict[str, torch.Tensor], aligned: bool, accumulate: bool) -> tuple[torch.Tensor, ...]:
+    """Forward + backward: out, dA, dW (``torch.autograd.grad``), or out and the accumulated ``.grad`` s."""
+    out = fp8_grouped_mm(t["a"], t["w"].transpose(-2, -1), t["offs"], offs_aligned=aligned)
+    if accumulate:
+        out.backward(t["grad_out"])  # the wgrad epilogue adds into w.grad; autograd adds dA into a.grad
+        return out, t["a"].grad, t["w"].grad
+    return (out, *torch.autograd.grad(out, (t["a"], t["w"]), t["grad_out"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True], ids=["fresh_grads", "accumulating"])
+@pytest.mark.parametrize("case", list(GRAPHED))
+def test_gpu_cuda_graph_replays_the_op_bit_for_bit(case, accumulate):
+    """fp8_grouped_mm forward + backward captured in a CUDA graph (what a caller does to take the host out of a
+    host-bound step, e.g. fine-grained experts): no host sync stops the capture, and each replay on new values of
+    A, W, the offsets, dOut (and the gradients accumulated into) gives eager's bits."""
+    ends, m = GRAPHED[case]
+    aligned = case != "unaligned"
+    static = _graph_operands(ends, m, accumulate)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocator, autograd's device thread
+        for _ in range(2):
+            _graph_step(static, aligned, accumulate)
+    torch.cuda.current_stream().wait_stream(side)
+    # The replays read the gradients accumulated into where the capture found them: autograd adds into a.grad in
+    # place (no reference to it is held here, which would make it add out of place), the epilogue into w.grad.
+    grad_ptrs = [static[n].grad.data_ptr() for n in ("a", "w")] if accumulate else []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _graph_step(static, aligned, accumulate)
+    if accumulate:
+        assert [static[n].grad.data_ptr() for n in ("a", "w")] == grad_ptrs
+    for round_ in range(2):
+        shift = 0 if aligned else round_  # unaligned: other offset values on the second replay
+        fresh = _graph_operands([max(e - shift, 0) for e in ends], m, accumulate)
+        with torch.no_grad():
+            for name in ("a", "w", "offs", "grad_out"):
+                static[name].copy_(fresh[name])
+            if accumulate:
+                static["a"].grad.copy_(fresh["a"].grad)
+                static["w"].grad.copy_(fresh["w"].grad)
+        graph.replay()
+        eager = _graph_step(fresh, aligned, accumulate)
+        for got, want in zip(captured, eager, strict=True):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["aligned_in_gemm", "unaligned"])
+def test_gpu_reduce_overhead_compile_replays_the_op_bit_for_bit(case):
+    """``torch.compile(mode="reduce-overhead", fullgraph=True)`` of a function that calls the op, backward by
+    autograd outside it (a compiled model's usual step): forward and backward graphs replayed as CUDA graphs
+    (cudagraph trees) on three sets of new inputs, each bit for bit eager's."""
+    ends, m = GRAPHED[case]
+    aligned = case != "unaligned"
+
+    def forward(a, w, offs):
+        return fp8_grouped_mm(a, w.transpose(-2, -1), offs, offs_aligned=aligned)
+
+    def step(fn, t):
+        out = fn(t["a"], t["w"], t["offs"])
+        return [x.clone() for x in (out, *torch.autograd.grad(out, (t["a"], t["w"]), t["grad_out"]))]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+    for round_ in range(3):
+        shift = 0 if aligned else round_
+        t = _graph_operands([max(e - shift, 0) for e in ends], m, False)
+        torch.compiler.cudagraph_mark_step_begin()
+        for got, want in zip(step(compiled, t), step(forward, t), strict=True):
+            assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_gradient_in_the_weight_dtype_without_a_cast(dtype):
     """The wgrad epilogue writes the weight's dtype: no fp32 output, no copy or cast kernel after it."""
