@@ -257,8 +257,8 @@ def test_gpu_cuda_graph_replays_the_op_bit_for_bit(case, accumulate):
 @pytest.mark.parametrize("case", ["aligned_in_gemm", "unaligned"])
 def test_gpu_reduce_overhead_compile_replays_the_op_bit_for_bit(case):
     """``torch.compile(mode="reduce-overhead", fullgraph=True)`` of a function that calls the op, backward by
-    autograd outside it (a compiled model's usual step): forward and backward graphs replayed as CUDA graphs
-    (cudagraph trees) on three sets of new inputs, each bit for bit eager's."""
+    autograd outside it (a compiled model's usual step): cudagraph trees warm up, record, then replay the forward
+    and backward graphs, one step each on new inputs, each bit for bit eager's."""
     ends, m = GRAPHED[case]
     aligned = case != "unaligned"
 
