@@ -91,6 +91,21 @@ def assert_sizes_compile_nothing_new(run: Callable[[int], None], sizes: Sequence
     assert not compiled, "compiled again for a new size:\n" + "\n".join(compiled)
 
 
+def capture_cuda_graph(step: Callable[[], Any], warmups: int = 1) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``step()`` run ``warmups`` times on a side stream (compiles, allocations and autograd's device thread happen
+    outside the capture), then captured in a CUDA graph: (the graph, what the captured call returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def edge_case_rows(k: int, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Rows that probe the format's edges, each ``k`` wide.
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import DEVICE
 from fp8_helpers import GEMM_TOLERANCE as TOLERANCE
-from fp8_helpers import build_every_sm90_config, padded_ends, param_id
+from fp8_helpers import build_every_sm90_config, capture_cuda_graph, padded_ends, param_id
 
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels import grouped_gemm_fp8_wgrad as mod
@@ -187,12 +187,7 @@ def test_sm90_stream_counter_is_left_at_zero_and_graphs_take_their_own():
         assert stream_tile_counter(device) is not counter
     args = make_operands(*skewed)
     eager = launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.bfloat16)
-    with torch.cuda.stream(side):  # capture off the default stream, as torch.cuda.graph does
-        launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.bfloat16)  # warm-up: compiled before capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.bfloat16)
+    graph, captured = capture_cuda_graph(lambda: launch_grouped_gemm_fp8_wgrad_sm90(*args, torch.bfloat16))
     for _ in range(2):
         captured.zero_()
         graph.replay()

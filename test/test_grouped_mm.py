@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE
-from fp8_helpers import assert_accumulated, assert_sizes_compile_nothing_new, sqnr_db
+from fp8_helpers import assert_accumulated, assert_sizes_compile_nothing_new, capture_cuda_graph, sqnr_db
 
 from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.grouped_mm import fp8_grouped_mm
@@ -224,18 +224,10 @@ def test_gpu_cuda_graph_replays_the_op_bit_for_bit(case, accumulate):
     ends, m = GRAPHED[case]
     aligned = case != "unaligned"
     static = _graph_operands(ends, m, accumulate)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocator, autograd's device thread
-        for _ in range(2):
-            _graph_step(static, aligned, accumulate)
-    torch.cuda.current_stream().wait_stream(side)
     # The replays read the gradients accumulated into where the capture found them: autograd adds into a.grad in
     # place (no reference to it is held here, which would make it add out of place), the epilogue into w.grad.
     grad_ptrs = [static[n].grad.data_ptr() for n in ("a", "w")] if accumulate else []
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = _graph_step(static, aligned, accumulate)
+    graph, captured = capture_cuda_graph(lambda: _graph_step(static, aligned, accumulate), warmups=2)
     if accumulate:
         assert [static[n].grad.data_ptr() for n in ("a", "w")] == grad_ptrs
     for round_ in range(2):
