@@ -30,8 +30,10 @@ layer holds one (``router.gate``), so the handler receives those; on the first o
 model ``quantize_`` was called on (the ``model`` argument of the ``quantize_`` call frames on the
 stack: torchao keeps no other reference to it) and converts every MoE layer of that model at once,
 raising if there is none; Linear modules are returned untouched. Passing
-``filter_fn=fp8flow_ao.moe.is_moe_layer`` instead hands the MoE layers to the handler directly. The
-conversion itself is :func:`convert_to_fp8flow`, which needs no ``quantize_`` at all.
+``filter_fn=fp8flow_ao.moe.is_moe_layer`` (or any filter that accepts MoE layers) instead hands the MoE
+layers to the handler directly; the first one converts, the same way, every MoE layer that filter accepts.
+The conversion itself is :func:`convert_to_fp8flow`, which needs no ``quantize_`` at all. (A filter that
+accepts no module of the model never reaches the handler: ``quantize_`` then converts nothing.)
 """
 
 from __future__ import annotations
@@ -205,9 +207,19 @@ def convert_to_fp8flow(model: nn.Module, config: FP8FlowConfig | None = None) ->
     In place; returns ``model``. Raises ``ValueError`` when no MoE layer is found (or none passes
     the filter; MoE-like layers FP8-Flow cannot run, such as gpt-oss's, are named with what they
     need), when a layer is already converted, or when ``D`` or ``H`` is not a multiple of 128.
+    Every layer is checked before any is converted: a bad one leaves the model untouched.
     """
-    config = config or FP8FlowConfig()
-    layers = [(fqn, m) for fqn, m in model.named_modules() if is_moe_layer(m)]
+    return _convert_model(model, config or FP8FlowConfig(), None)
+
+
+def _convert_model(
+    model: nn.Module, config: FP8FlowConfig, filter_fn: Callable[[nn.Module, str], bool] | None
+) -> nn.Module:
+    """:func:`convert_to_fp8flow` over the MoE layers that ``filter_fn`` (a ``quantize_`` call's, ``None``: every
+    one) accepts as well."""
+    layers = [
+        (fqn, m) for fqn, m in model.named_modules() if is_moe_layer(m) and (filter_fn is None or filter_fn(m, fqn))
+    ]
     chosen = [(fqn, m) for fqn, m in layers if config.module_filter is None or config.module_filter(m, fqn)]
     if not layers:
         unsupported = [(fqn, why) for fqn, m in model.named_modules() if (why := _unsupported_moe_layer(m))]
@@ -247,21 +259,17 @@ def _quantize_call_frames() -> list:
     return frames[::-1]
 
 
-def _fqn_in_quantize_call() -> str:
-    frames = _quantize_call_frames()
-    return frames[-1].f_locals["cur_fqn"][:-1] if frames else ""
-
-
 @register_quantize_module_handler(FP8FlowConfig)
 def _fp8flow_transform(module: nn.Module, config: FP8FlowConfig) -> nn.Module:
-    """``quantize_`` handler: a MoE layer (``filter_fn=is_moe_layer``) or, with the default filter, an ``nn.Linear``."""
-    if is_moe_layer(module):
-        fqn = _fqn_in_quantize_call()
-        if config.module_filter is None or config.module_filter(module, fqn):
-            _convert_layer(module, config, fqn)
-        return module
+    """``quantize_`` handler: a MoE layer (``filter_fn=is_moe_layer``) or, with the default filter, an ``nn.Linear``.
+
+    Either way the first call of a ``quantize_`` call converts the whole model at once (every layer checked before
+    any is converted, and no layer found or accepted is an error, as :func:`convert_to_fp8flow`); a MoE layer
+    handed in means the call's own ``filter_fn`` chose the layers, so only those it accepts are converted."""
     frames = _quantize_call_frames()
     if not frames:
+        if is_moe_layer(module):  # called outside quantize_'s recursion: this layer alone
+            return convert_to_fp8flow(module, config)
         raise RuntimeError(
             "FP8FlowConfig's handler could not find the model quantize_ is converting; call "
             "fp8flow_ao.config.convert_to_fp8flow(model, config) or quantize_(model, config, "
@@ -269,6 +277,6 @@ def _fp8flow_transform(module: nn.Module, config: FP8FlowConfig) -> nn.Module:
         )
     call = frames[0].f_locals  # the frame's own locals mapping: a key set here stays for the frame's life
     if _CONVERTED_MARK not in call:
-        convert_to_fp8flow(call["model"], config)
+        _convert_model(call["model"], config, call["filter_fn"] if is_moe_layer(module) else None)
         call[_CONVERTED_MARK] = True
     return module

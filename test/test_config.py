@@ -134,10 +134,25 @@ def test_module_filter_and_filter_fn():
     quantize_(model, FP8FlowConfig(module_filter=only_second))
     assert seen == [("MoE", "layers.0.moe"), ("MoE", "layers.1.moe")]  # called on MoE layers only
     assert not isinstance(model.layers[0].moe, FP8FlowMoE) and isinstance(model.layers[1].moe, FP8FlowMoE)
-    # torchao's own filter_fn reaching the MoE layers directly works too
+    # torchao's own filter_fn reaching the MoE layers directly works too, and chooses the layers
     model = _Model()
     quantize_(model, FP8FlowConfig(), filter_fn=is_moe_layer)
     assert all(isinstance(block.moe, FP8FlowMoE) for block in model.layers)
+    model = _Model()
+    quantize_(model, FP8FlowConfig(), filter_fn=lambda m, fqn: is_moe_layer(m) and fqn == "layers.0.moe")
+    assert isinstance(model.layers[0].moe, FP8FlowMoE) and not isinstance(model.layers[1].moe, FP8FlowMoE)
+    with pytest.raises(ValueError, match="none accepted by module_filter"):
+        quantize_(_Model(), FP8FlowConfig(module_filter=lambda m, fqn: False), filter_fn=is_moe_layer)
+
+
+@pytest.mark.parametrize("filter_fn", [None, is_moe_layer], ids=["default_filter", "filter_fn_is_moe_layer"])
+def test_one_bad_layer_leaves_every_layer_unconverted(filter_fn):
+    """Every layer is checked before any is converted, whichever filter hands quantize_'s handler its modules."""
+    model = _Model()
+    model.layers[1] = _Block(hidden=192, seed=1).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="layers.1.moe.*multiples of 128.*H=192"):
+        quantize_(model, FP8FlowConfig(), **({} if filter_fn is None else {"filter_fn": filter_fn}))
+    assert not any(isinstance(m, FP8FlowMoE) for m in model.modules())
 
 
 @pytest.mark.parametrize(
