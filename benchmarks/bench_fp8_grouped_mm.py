@@ -33,7 +33,10 @@ whose groups are not multiples of 128 (ours pads on the device; the aligned case
     python benchmarks/bench_fp8_grouped_mm.py --cases E=128 E=64 --modes "fwd+bwd" "fwd+bwd cuda graph" --tag _cuda_graph
 
 ``--cases`` keeps the cases whose name (``M=... K=... N=... E=... routing``) contains any of the given strings;
-``--tag`` is appended to the result files' names.
+``--baselines`` keeps the baselines whose name contains any of the given strings (ours always runs), e.g.
+``--baselines DeepGEMM`` where only torchao's DeepGEMM-backed op is wanted (it compiles each new shape, the
+slow part of a run); ``--tag`` is appended to the result files' names. A baseline that raises on a case (a
+shape its kernels refuse) is left out of that case with the error printed; ours raising stops the run.
 """
 
 from __future__ import annotations
@@ -112,8 +115,9 @@ def make_problem(m: int, k: int, n: int, e: int, routing: str) -> dict:
     }
 
 
-def methods(p: dict, deep_gemm) -> dict[str, Callable]:
-    """name -> ``f(a, b_t, offs) -> out``: ours first, then the baselines available here."""
+def methods(p: dict, deep_gemm, baselines: list[str] | None = None) -> dict[str, Callable]:
+    """name -> ``f(a, b_t, offs) -> out``: ours first, then the baselines available here whose name contains
+    any of ``baselines`` (all where ``None``)."""
     from fp8flow_ao.grouped_mm import fp8_grouped_mm
 
     aligned = p["aligned"]
@@ -126,7 +130,7 @@ def methods(p: dict, deep_gemm) -> dict[str, Callable]:
         from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
     except Exception as exc:  # torchao missing or too old: the bf16 baseline still runs
         print(f"skipping the torchao rows: {type(exc).__name__}: {exc}")
-        return found
+        return chosen(found, baselines)
     if deep_gemm is not None:
         found["torchao blockwise fp8 (DeepGEMM)"] = _to_fp8_blockwise_then_scaled_grouped_mm
     if aligned:  # torchao 0.18's row-wise op cannot pad yet (it asserts): groups must be multiples of 16
@@ -135,7 +139,12 @@ def methods(p: dict, deep_gemm) -> dict[str, Callable]:
         )
     else:
         print("skipping torchao rowwise fp8 on unaligned groups: torchao 0.18 cannot pad them for it")
-    return found
+    return chosen(found, baselines)
+
+
+def chosen(found: dict[str, Callable], baselines: list[str] | None) -> dict[str, Callable]:
+    """``found`` less the baselines whose name contains none of ``baselines`` (``None``: all kept); ours stays."""
+    return {n: f for n, f in found.items() if n == "ours" or baselines is None or any(b in n for b in baselines)}
 
 
 def fp32_reference(p: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,6 +171,20 @@ def accuracy(fn: Callable, p: dict, ref: tuple) -> dict[str, float]:
     got = (out[:rows], grad_a[:rows], grad_w)
     want = (ref[0][:rows], ref[1][:rows], ref[2])
     return {name: round(sqnr_db(r, x), 2) for name, r, x in zip(("out", "dA", "dW"), want, got, strict=True)}
+
+
+def accuracies(found: dict[str, Callable], p: dict, ref: tuple) -> dict[str, dict[str, float]]:
+    """``accuracy`` of each method; a baseline that raises (a shape its kernels refuse) is left out with the error
+    printed, ours raising propagates."""
+    sqnr = {}
+    for name, fn in found.items():
+        try:
+            sqnr[name] = accuracy(fn, p, ref)
+        except Exception as exc:
+            if name == "ours":
+                raise
+            print(f"skipping {name} on this case: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return sqnr
 
 
 def captured(step: Callable[[], object]) -> Callable[[], None]:
@@ -230,7 +253,9 @@ def case_name(m: int, k: int, n: int, e: int, routing: str) -> str:
     return f"M={m} K={k} N={n} E={e} {routing}"
 
 
-def run(deep_gemm, cases: list[tuple], modes: tuple[str, ...], tag: str) -> list[dict]:
+def run(
+    deep_gemm, cases: list[tuple], modes: tuple[str, ...], tag: str, baselines: list[str] | None = None
+) -> list[dict]:
     """Every case; the result files are rewritten after each one, so a run stopped by its time limit
     (DeepGEMM compiles each new shape on first use) keeps the cases it finished."""
     rows_out = []
@@ -238,8 +263,9 @@ def run(deep_gemm, cases: list[tuple], modes: tuple[str, ...], tag: str) -> list
         p = make_problem(m, k, n, e, routing)
         case = case_name(m, k, n, e, routing)
         ref = fp32_reference(p)
-        found = methods(p, deep_gemm)
-        sqnr = {name: accuracy(fn, p, ref) for name, fn in found.items()}
+        found = methods(p, deep_gemm, baselines)
+        sqnr = accuracies(found, p, ref)
+        found = {name: found[name] for name in sqnr}
         del ref
         for mode in modes:
             times = timed_methods(found, p, mode)
@@ -282,6 +308,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--modes", nargs="+", choices=(*DEFAULT_MODES, GRAPHED_MODE), default=list(DEFAULT_MODES), help="modes to time"
     )
+    parser.add_argument(
+        "--baselines",
+        nargs="+",
+        default=None,
+        help="keep the baselines whose name contains any of these (ours always runs; default: every one found)",
+    )
     parser.add_argument("--tag", default="", help="appended to the result files' names (keeps another run's files)")
     args = parser.parse_args(argv)
     args.cases = [c for c in CASES if args.cases is None or any(s in case_name(*c) for s in args.cases)]
@@ -295,7 +327,7 @@ def main() -> None:
     if not require_cuda("bench_fp8_grouped_mm"):
         return
     torch.manual_seed(0)
-    run(import_deep_gemm(), args.cases, tuple(args.modes), args.tag)
+    run(import_deep_gemm(), args.cases, tuple(args.modes), args.tag, args.baselines)
 
 
 if __name__ == "__main__":

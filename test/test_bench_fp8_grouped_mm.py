@@ -39,3 +39,27 @@ def test_graphed_mode_times_ours_and_bf16_only(monkeypatch):
     found = {"ours": None, bench.GRAPHED_BASELINE: None, "torchao rowwise fp8": None}
     assert list(bench.timed_methods(found, {}, bench.GRAPHED_MODE)) == ["ours", bench.GRAPHED_BASELINE]
     assert list(bench.timed_methods(found, {}, "fwd+bwd")) == list(found)
+
+
+def test_baselines_are_chosen_by_any_part_of_their_name_and_ours_always_runs():
+    found = {"ours": 0, bench.GRAPHED_BASELINE: 1, "torchao blockwise fp8 (DeepGEMM)": 2, "torchao rowwise fp8": 3}
+    assert bench.chosen(found, None) == found
+    assert list(bench.chosen(found, ["DeepGEMM"])) == ["ours", "torchao blockwise fp8 (DeepGEMM)"]
+    assert list(bench.chosen(found, ["bf16", "rowwise"])) == ["ours", bench.GRAPHED_BASELINE, "torchao rowwise fp8"]
+    assert bench.parse_args(["--baselines", "DeepGEMM", "bf16"]).baselines == ["DeepGEMM", "bf16"]
+    assert bench.parse_args([]).baselines is None
+
+
+def _refuses(*args):
+    raise RuntimeError("this shape is not supported\nsecond line")
+
+
+def test_a_baseline_that_raises_is_left_out_of_the_case_and_ours_raising_stops_the_run(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "accuracy", lambda fn, p, ref: fn())
+    sqnr = bench.accuracies({"ours": lambda: {"out": 30.0}, "torchao blockwise fp8 (DeepGEMM)": _refuses}, {}, ())
+    assert sqnr == {"ours": {"out": 30.0}}
+    assert "skipping torchao blockwise fp8 (DeepGEMM) on this case: RuntimeError: this shape is not supported\n" in (
+        capsys.readouterr().out
+    )
+    with pytest.raises(RuntimeError, match="not supported"):
+        bench.accuracies({"ours": _refuses}, {}, ())
