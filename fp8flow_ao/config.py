@@ -92,8 +92,8 @@ class FP8FlowConfig(AOBaseConfig):
               torchtitan, or an optimizer outside ``torch.optim`` (apex, DeepSpeed), call
               ``fp8flow_ao.weight_cache.EXPERT_WEIGHT_CACHE.invalidate()`` after each optimizer step.
 
-            Measured figures: :mod:`fp8flow_ao.weight_cache` (H200, compiled layer: ``"forward"`` 1.04-1.05x
-            faster than ``"off"`` at the DeepSeek-like shape, 1.02-1.04x at the Qwen-like one, holding
+            Measured figures: :mod:`fp8flow_ao.weight_cache` (H200, compiled layer: ``"forward"`` 1.02-1.05x
+            faster than ``"off"`` at the DeepSeek-like shape, 1.02-1.07x at the Qwen-like one, holding
             99.5% / 83% of BF16's activation memory instead of 22% / 30%; ``"step"`` on a cached
             micro-batch 1.16-1.17x faster than ``"off"`` at the DeepSeek-like shape, slower at the
             host-bound Qwen-like one).

@@ -26,8 +26,13 @@ tile themselves as they load it from the BF16 weights (the same bits: :class:`Ex
   graphs read them in place, :func:`step_cached_weights`); where a caller's ``torch.compile`` traces the
   layer itself it acts as ``"forward"`` (see below).
 
-Measured on one H200 (``bench_moe_layer.py``, torch.compile, median of 3, 2026-11-24, torch 2.11, triton
-3.6): DeepSeek-like (T=4096, D=7168, H=2048, E=32, top-8) ``"off"`` 13.15 / 13.75 ms (balanced / skewed),
+Measured on one H200 (``bench_moe_layer.py``, torch.compile, median of 3 interleaved repetitions, torch 2.11,
+triton 3.6). On 2026-11-29 (session 50, ``moe_layer_deepseek_qwen_s50_wt_forward.md``): DeepSeek-like (T=4096,
+D=7168, H=2048, E=32, top-8) ``"off"`` 11.99 / 12.50 ms (balanced / skewed), ``"forward"`` 11.72 / 12.09 ms (1.02x /
+1.03x faster; 1.58x / 1.65x BF16's 18.50 / 19.96 ms that run): activations held 22% -> 99.5% of BF16's, peak 3.13 ->
+3.19 GiB (BF16: 3.31 GiB). Qwen3-30B-A3B-like (T=8192, D=2048, H=768, E=128, top-8) 3.91 / 4.09 ms -> 3.75 / 3.83 ms
+(1.04x / 1.07x): activations 30% -> 83% of BF16's, peak 1.50 -> 1.54 GiB (BF16: 1.64 GiB). The first measurement,
+on 2026-11-24: DeepSeek-like (T=4096, D=7168, H=2048, E=32, top-8) ``"off"`` 13.15 / 13.75 ms (balanced / skewed),
 ``"forward"`` 12.50 / 13.26 ms (1.05x / 1.04x faster): activations held 22% -> 99.5% of BF16's, peak
 3.21 -> 3.26 GiB (BF16: 3.39 GiB). Qwen3-30B-A3B-like (T=8192, D=2048, H=768, E=128, top-8) 4.50 / 4.67
 ms -> 4.33 / 4.59 ms: activations 30% -> 83% of BF16's, peak 1.50 -> 1.54 GiB (BF16: 1.64 GiB). The gain is
