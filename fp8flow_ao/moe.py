@@ -54,7 +54,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from fp8flow_ao._checks import check_bool, check_multiple, check_row_major, check_same_device, check_tensor
+from fp8flow_ao._checks import (
+    check_bool,
+    check_multiple,
+    check_row_major,
+    check_same_device,
+    check_tensor,
+    validate_index_range,
+    validation_enabled,
+)
 from fp8flow_ao._format import BLOCK, round_rows_to_fp8_grid
 from fp8flow_ao._grad_accumulation import fused_grad_target, grad_leaf
 from fp8flow_ao.kernels.dequantize import dequantize
@@ -657,6 +665,9 @@ def _check_routed_experts(
             f"top_scores {tuple(top_scores.shape)} and selected_experts_indices "
             f"{tuple(selected_experts_indices.shape)} must both be [T={x.shape[0]}, k]"
         )
+    if validation_enabled(selected_experts_indices):  # the ids' values: free on CPU, opt-in on a GPU (a sync)
+        experts = num_experts * (1 if ep_group is None else dist.get_world_size(ep_group))  # global ids under EP
+        validate_index_range("selected_experts_indices", selected_experts_indices, 0, experts)
     check_same_device(
         x=x, top_scores=top_scores, selected_experts_indices=selected_experts_indices, w1=w1, w2=w2, w3=w3
     )
