@@ -278,7 +278,11 @@ def test_converter_on_meta_model_then_materialize_and_train() -> None:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_trainer_trains_both_configs_on_cpu(tmp_path: Path, corpus: Path, family: str) -> None:
-    """torchtitan's Trainer, 2 steps of each TOML on the CPU: same initial loss, both learn, FP8 close to BF16."""
+    """torchtitan's Trainer, 2 steps of each TOML on the CPU: FP8 close to BF16 at both steps, the first update included.
+
+    Not "the loss falls": the two steps read two different batches, so one update need not lower the second's loss
+    (under torch 2.11's initialization BF16's own rose on two families, 7.95 -> 7.98). Learning over a run is
+    test_demo's check."""
     flavor = [] if FAMILIES[family] is None else ["--model.flavor", FAMILIES[family]]
     add_qwen3_cpu_flavor()
     common = [*flavor,
@@ -291,7 +295,6 @@ def test_trainer_trains_both_configs_on_cpu(tmp_path: Path, corpus: Path, family
         for name, toml in zip(("bf16", "fp8flow"), pair(family), strict=True)
     }
     assert all(len(v) == 2 and all(map(math.isfinite, v)) for v in losses.values())
-    assert losses["bf16"][1] < losses["bf16"][0] and losses["fp8flow"][1] < losses["fp8flow"][0]
     for step in range(2):
         assert losses["fp8flow"][step] == pytest.approx(losses["bf16"][step], rel=1e-3)
     assert losses["fp8flow"] != losses["bf16"], "the fp8flow run must have run the FP8 path"
