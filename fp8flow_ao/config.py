@@ -90,7 +90,9 @@ class FP8FlowConfig(AOBaseConfig):
               the layer's own compiled path (torchtitan's ``fp8flow.compile_experts``); where a
               ``torch.compile`` of the model traces the layer it runs as ``"forward"``. With FSDP2 outside
               torchtitan, or an optimizer outside ``torch.optim`` (apex, DeepSpeed), call
-              ``fp8flow_ao.weight_cache.EXPERT_WEIGHT_CACHE.invalidate()`` after each optimizer step.
+              ``fp8flow_ao.weight_cache.EXPERT_WEIGHT_CACHE.invalidate()`` after each optimizer step, and
+              after any write through ``param.data`` that a training forward should see. Forwards under
+              ``torch.no_grad()`` / ``torch.inference_mode()`` bypass the cache (quantize as ``"off"``).
 
             Measured figures: :mod:`fp8flow_ao.weight_cache` (H200, compiled layer: ``"forward"`` 1.02-1.05x
             faster than ``"off"`` at the DeepSeek-like shape, 1.02-1.07x at the Qwen-like one, holding

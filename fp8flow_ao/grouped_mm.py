@@ -68,7 +68,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from torch.autograd.function import once_differentiable
 
 # Importing the kernel modules registers the ops that _Float8GroupedMM calls through torch.ops.
 import fp8flow_ao.kernels.grouped_gemm_fp8_wgrad
@@ -76,6 +75,7 @@ import fp8flow_ao.kernels.pad_group_offsets
 import fp8flow_ao.kernels.quantize_128x128
 import fp8flow_ao.kernels.quantize_dual_1x128
 import fp8flow_ao.kernels.scaling_aware_transpose  # noqa: F401
+from fp8flow_ao._autograd import first_order_only
 from fp8flow_ao._checks import (
     check_bool,
     check_group_end_offsets,
@@ -311,7 +311,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         return _Float8GroupedMM._backward(ctx, grad_out, fuse_into)
 
     @staticmethod
-    @once_differentiable  # the FP8 ops have no gradient formulas of their own
+    @first_order_only("fp8_grouped_mm")  # the FP8 ops have no gradient formulas of their own
     def _backward(ctx, grad_out: torch.Tensor, fuse_into: torch.Tensor | None):
         grad_out = grad_out.contiguous()  # e.g. the expanded gradient of a .sum()
         if ctx.recipe == "rowwise":

@@ -52,8 +52,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.function import once_differentiable
 
+from fp8flow_ao._autograd import first_order_only
 from fp8flow_ao._checks import (
     check_bool,
     check_multiple,
@@ -263,7 +263,7 @@ class _FP8FlowRoutedExperts(torch.autograd.Function):
 
     @staticmethod
     @_autocast_off
-    @once_differentiable  # the FP8 ops have no gradient formulas of their own
+    @first_order_only("fp8flow_routed_experts")  # the FP8 ops have no gradient formulas of their own
     def _backward(ctx, grad_out, leaves):
         rows, rows_scale, probs_p, src_rows, dst_rows, offs, w1, w2, w3, *saved = ctx.saved_tensors
         kept, fc1_saved = split_kept(saved)

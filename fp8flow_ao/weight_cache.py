@@ -72,7 +72,10 @@ same address cannot hit an old entry. Writes that bypass the version counter:
 * writes through ``param.data`` (a fresh version counter by design), optimizers outside ``torch.optim``
   (apex's or DeepSpeed's fused Adam write through raw pointers) and FSDP2's all-gather into the unsharded
   parameters (it runs under ``torch.autograd._unsafe_preserve_version_counter``, so a re-gather into the
-  same storage looks unchanged): call :meth:`FP8WeightCache.invalidate` after them.
+  same storage looks unchanged): call :meth:`FP8WeightCache.invalidate` after them. Forwards with grad mode
+  off never use the cache (:func:`step_cached_weights`), so weights swapped in through ``param.data`` for an
+  evaluation under ``torch.no_grad()`` (EMA utilities) and swapped back before training need no call; a
+  ``param.data`` write that training micro-batches should see does.
 
 The torchtitan converter also invalidates after every optimizer step (``post_optimizer_hook``; under CUDA
 graphs, where FSDP2 is refused, it marks the entries stale and keeps their tensors, which the next lookup
@@ -412,13 +415,20 @@ def step_cached_weights(
     cannot hold: a traced ``"step"`` quantizes in the graph, as ``"forward"``). Call it outside the graph
     and hand the tensors in: as inputs of a compiled graph they are never memory the graph may reuse.
 
+    Also :data:`NOTHING` with grad mode off (``torch.no_grad()``, ``torch.inference_mode()``: evaluation):
+    the cache serves training micro-batches, and a forward that trains nothing neither reads nor fills it
+    (it quantizes afresh, as ``"off"``). So an evaluation never leaves inference tensors in the cache for
+    the next training step to save for backward, and the usual EMA evaluation (the averaged weights copied
+    in through ``param.data``, which no version counter sees, then the training weights copied back) runs
+    on the averaged weights and leaves the training weights' tiles as they were.
+
     ``static_addresses``: for CUDA graphs (``compile_mode="reduce-overhead"``). A stale entry is re-quantized
     into its own tensors, so they keep their addresses for as long as the weights keep their shapes, and
     each is marked with ``torch._dynamo.mark_static_address(guard=False)``: a graph reads them where they
     are instead of copying them into its input buffers on every replay (the weights' bytes again), and
     records anew (no recompile) only if an address does change. The tiles are marked when they are made or
     remade (once per optimizer step), not on every lookup: a hit is the hot path of a host-bound step."""
-    if mode != "step" or torch.compiler.is_compiling():
+    if mode != "step" or torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return NOTHING
     _watch_optimizer_steps()
 

@@ -599,6 +599,17 @@ def test_plain_path_where_fusing_is_unsafe(case):
     assert torch.equal(w.grad.detach(), expected)
 
 
+def test_double_backward_raises_where_it_would_silently_drop_a_term():
+    """A gradient penalty through the op: the first-order gradients are as without create_graph, and
+    differentiating them again raises (they once came back as constants, their second-order term zero)."""
+    a, w, offs = _inputs(GROUPS["skewed"])
+    (plain,) = torch.autograd.grad(_loss(a, w.transpose(-2, -1), offs), (a,))
+    (grad_a,) = torch.autograd.grad(_loss(a, w.transpose(-2, -1), offs), (a,), create_graph=True)
+    assert torch.equal(grad_a.detach(), plain) and grad_a.requires_grad
+    with pytest.raises(RuntimeError, match="fp8_grouped_mm: its backward is not differentiable"):
+        grad_a.float().square().sum().backward()
+
+
 def test_b_t_leaf_takes_the_plain_path():
     """A leaf B_t [E, K, N] keeps its gradient in that layout, whose rows are not the epilogue's
     [E, N, K] rows: the plain path, and autograd's accumulation, sum correctly."""

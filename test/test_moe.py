@@ -970,6 +970,17 @@ def test_layer_takes_the_plain_path_where_fusing_is_unsafe(how):
         assert torch.equal(w.grad.detach(), e + scale * f if scale else e)
 
 
+def test_layer_double_backward_raises_where_it_would_silently_drop_a_term():
+    """A gradient penalty on dx (create_graph=True): dx is as without create_graph, and the penalty's
+    backward raises instead of leaving the weights' second-order gradient at zero."""
+    x, scores, ids, weights = _accumulation_inputs(torch.bfloat16)
+    (plain,) = torch.autograd.grad(_layer_loss(x, scores, ids, weights), (x,))
+    (grad_x,) = torch.autograd.grad(_layer_loss(x, scores, ids, weights), (x,), create_graph=True)
+    assert torch.equal(grad_x.detach(), plain)
+    with pytest.raises(RuntimeError, match="fp8flow_routed_experts: its backward is not differentiable"):
+        grad_x.float().square().sum().backward()
+
+
 def test_compiled_layer_path_does_not_fuse():
     """The compiled path's backward is traced once, so it must not depend on .grad existing: fresh gradients,
     which autograd adds to the existing ones."""

@@ -307,6 +307,54 @@ def test_step_cache_follows_weight_updates_between_micro_batches(monkeypatch, co
     assert not torch.equal(before[0], after[0])
 
 
+@pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+@pytest.mark.parametrize("first", ["train", "evaluate"])
+def test_evaluation_neither_reads_nor_fills_the_step_cache(grad_off, first):
+    """A forward with grad mode off quantizes afresh and leaves the cache as it was: an evaluation under
+    ``inference_mode`` once left inference tensors there, and the next training forward failed to save them
+    for backward. Either order of training and evaluation gives the "off" results."""
+    x, probs, ids, grad, weights = _layer_inputs()
+
+    def evaluate():
+        with grad_off():
+            out = fp8flow_routed_experts(x, probs, ids, *weights, weight_cache="step")
+            assert torch.equal(out, fp8flow_routed_experts(x, probs, ids, *weights))
+        return (len(EXPERT_WEIGHT_CACHE), EXPERT_WEIGHT_CACHE.hits, EXPERT_WEIGHT_CACHE.misses)
+
+    def train():
+        cached = _step(fp8flow_routed_experts, x, probs, ids, grad, weights, weight_cache="step")
+        _assert_identical(cached, _step(fp8flow_routed_experts, x, probs, ids, grad, weights))
+
+    if first == "train":
+        train()
+    before = (len(EXPERT_WEIGHT_CACHE), EXPERT_WEIGHT_CACHE.hits, EXPERT_WEIGHT_CACHE.misses)
+    assert evaluate() == before
+    train()
+    train()
+    assert len(EXPERT_WEIGHT_CACHE) == 1 and EXPERT_WEIGHT_CACHE.hits >= 1
+
+
+def test_ema_weights_swapped_in_through_data_for_evaluation():
+    """The EMA pattern (torch_ema's ``store`` / ``copy_to`` / ``restore``): averaged weights copied in through
+    ``param.data`` (no version bump) for an evaluation under ``no_grad``, the training weights copied back.
+    The evaluation runs on the averaged weights, not on the training weights' cached tiles, and the next
+    training micro-batch on the training weights."""
+    x, probs, ids, grad, weights = _layer_inputs()
+    ema = [w.detach() * 0.5 for w in weights]
+    _step(fp8flow_routed_experts, x, probs, ids, grad, weights, weight_cache="step")  # fills the cache
+    saved = [w.detach().clone() for w in weights]
+    with torch.no_grad():
+        for w, e in zip(weights, ema, strict=True):
+            w.data.copy_(e)
+        evaluated = fp8flow_routed_experts(x, probs, ids, *weights, weight_cache="step")
+        assert torch.equal(evaluated, fp8flow_routed_experts(x, probs, ids, *ema))
+        for w, s in zip(weights, saved, strict=True):
+            w.data.copy_(s)
+    trained = _step(fp8flow_routed_experts, x, probs, ids, grad, weights, weight_cache="step")
+    fresh = [s.clone().requires_grad_() for s in saved]
+    _assert_identical(trained, _step(fp8flow_routed_experts, x, probs, ids, grad, fresh))
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_step_cache_follows_every_torch_optim_step(fused):
     """torch.optim's fused optimizers write the weights without bumping their version counters: the hook
