@@ -38,6 +38,7 @@ accepts no module of the model never reaches the handler: ``quantize_`` then con
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -176,8 +177,29 @@ def _convert_layer(module: nn.Module, config: FP8FlowConfig, fqn: str) -> None:
     check_moe_layer(module, fqn)
     _set_torchtitan_alignment()
     module.experts.use_grouped_mm = True  # the row-wise GEMM is reached through torch._grouped_mm
+    module.experts.register_forward_pre_hook(_check_rowwise_can_pad)
     # torchtitan now pads every expert's group to 128 rows: the FP8 op need not pad again.
     wrap_expert_weights(module.experts, recipe="rowwise", offs_aligned=True)
+
+
+def _check_rowwise_can_pad(experts: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of the row-wise recipe's experts: torchtitan's grouped-GEMM path pads each expert's
+    rows with a Triton kernel (``generate_permute_indices``), which has no CPU backend unless Triton
+    interprets or torchtitan is told ``use_cpu=True``; without this check a CPU model stopped in Triton's
+    driver lookup ("0 active drivers")."""
+    x = args[0] if args else None  # GroupedExperts.forward(x, num_tokens_per_expert)
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    from torchtitan.models.moe import utils as moe_utils
+
+    if getattr(moe_utils.generate_permute_indices, "keywords", {}).get("use_cpu"):  # torchtitan_on_cpu()
+        return
+    raise ValueError(
+        "recipe='rowwise' runs torchtitan's grouped-GEMM expert path, whose token padding "
+        "(torchtitan.models.moe.utils.generate_permute_indices) is a Triton kernel with no CPU backend: run "
+        "the model on a GPU, on the CPU inside fp8flow_ao.torchtitan.cpu.torchtitan_on_cpu() (use_cpu=True) "
+        "or with TRITON_INTERPRET=1, or use recipe='blockwise' (its CPU path is the torch reference)"
+    )
 
 
 def _unsupported_moe_layer(module: nn.Module) -> str | None:
@@ -208,9 +230,14 @@ def convert_to_fp8flow(model: nn.Module, config: FP8FlowConfig | None = None) ->
 
     In place; returns ``model``. Raises ``ValueError`` when no MoE layer is found (or none passes
     the filter; MoE-like layers FP8-Flow cannot run, such as gpt-oss's, are named with what they
-    need), when a layer is already converted, or when ``D`` or ``H`` is not a multiple of 128.
+    need), when a layer is already converted, or when ``D`` or ``H`` is not a multiple of 128; ``TypeError``
+    for a ``model`` that is not an ``nn.Module`` or a ``config`` that is not an :class:`FP8FlowConfig`.
     Every layer is checked before any is converted: a bad one leaves the model untouched.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if config is not None and not isinstance(config, FP8FlowConfig):
+        raise TypeError(f"config must be an FP8FlowConfig or None, got {type(config).__name__}")
     return _convert_model(model, config or FP8FlowConfig(), None)
 
 

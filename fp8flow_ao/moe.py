@@ -658,6 +658,8 @@ def _check_routed_experts(
         raise ValueError(f"x must be [T, D={dim}] (the experts' D), got shape {tuple(x.shape)}")
     check_multiple("x", dim, what="hidden dim D")
     check_multiple("w1", hidden, what="expert ffn dim H")
+    if ep_group is not None and not isinstance(ep_group, dist.ProcessGroup):
+        raise TypeError(f"ep_group must be a torch.distributed.ProcessGroup or None, got {type(ep_group).__name__}")
     check_tensor("top_scores", top_scores, dtypes=_HP_DTYPES, ndim=2)
     check_tensor("selected_experts_indices", selected_experts_indices, dtypes=(torch.int32, torch.int64), ndim=2)
     if top_scores.shape != selected_experts_indices.shape or top_scores.shape[0] != x.shape[0]:

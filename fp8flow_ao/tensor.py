@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fp8flow_ao._checks import check_fp8, check_shape, check_tensor
+from fp8flow_ao._checks import check_bool, check_fp8, check_shape, check_tensor
 from fp8flow_ao._format import BLOCK
 from fp8flow_ao.kernels.dequantize import dequantize
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import OUT_DTYPES
@@ -419,6 +419,10 @@ class FP8FlowExpertWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, recipe: str = "blockwise", offs_aligned: bool = False):
+        # Types only: shapes and dtypes are the GEMM's to check (FSDP2 and views rewrap flat or sliced data).
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"data must be a torch.Tensor, got {type(data).__name__}")
+        check_bool("offs_aligned", offs_aligned)
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.size(),
@@ -513,6 +517,8 @@ def wrap_expert_weights(
     optimizer afterwards); ``module.state_dict()`` keeps its keys and holds plain tensors. Raises
     ``ValueError`` if a weight is already wrapped or is not 3-D.
     """
+    if isinstance(names, str):
+        raise TypeError(f"names must be a sequence of parameter names, got the string {names!r}")
     for name in names:
         param = getattr(module, name)
         if isinstance(param, FP8FlowExpertWeight):

@@ -80,6 +80,10 @@ def test_config_fields_and_validation():
     assert FP8FlowConfig(backward="bf16_fc1_dgrad", recompute_experts=True).backward == "bf16_fc1_dgrad"
     with pytest.raises(ValueError, match="does not gather"):  # FSDP's FP8 all-gather leaves no BF16 weights
         FP8FlowConfig(backward="bf16_fc1_dgrad", fsdp_fp8_all_gather=True)
+    with pytest.raises(TypeError, match="config must be an FP8FlowConfig or None, got dict"):
+        convert_to_fp8flow(make_moe(), {"recompute_experts": True})
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        convert_to_fp8flow("model", FP8FlowConfig())
 
 
 def test_backward_ablation_reaches_the_experts():
@@ -256,6 +260,26 @@ def test_fp32_model_keeps_its_dtypes():
     x, grad = _inputs(256, 128)
     result = run_step(moe, x.float(), grad.float())
     assert all(result[k].dtype == torch.float32 for k in ("out", "x", *PARAMS))
+
+
+def test_rowwise_recipe_on_cpu_needs_torchtitans_cpu_padding(monkeypatch):
+    """torchtitan pads the row-wise recipe's expert groups with a Triton kernel: on the CPU without Triton's
+    interpreter a clear error names the ways out (it once stopped in Triton's driver lookup); inside
+    ``torchtitan_on_cpu()`` (torchtitan's ``use_cpu=True``) the layer runs."""
+    from torchtitan.models.moe import utils as moe_utils
+
+    from fp8flow_ao.torchtitan.cpu import torchtitan_on_cpu
+
+    monkeypatch.setattr(moe_utils, "TOKEN_GROUP_ALIGN_SIZE_M", moe_utils.TOKEN_GROUP_ALIGN_SIZE_M)
+    moe = make_moe(experts=4, top_k=2).cpu()
+    quantize_(moe, FP8FlowConfig(recipe="rowwise"))
+    x, _ = _inputs(256, 128)
+    x = x.cpu()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with integer_histc(), pytest.raises(ValueError, match="token padding .* is a Triton kernel with no CPU backend"):
+        moe(x)
+    with torchtitan_on_cpu():
+        assert moe(x).shape == x.shape
 
 
 def test_rowwise_recipe_matches_bf16_layer(monkeypatch):

@@ -758,6 +758,7 @@ def test_compiled_routed_path_saves_x8_not_the_permuted_rows(recompute, backend)
         ({"w2_device": "meta"}, ValueError, "share one device"),
         ({"recompute_experts": "no"}, TypeError, "recompute_experts must be a bool"),
         ({"score_before_experts": 1}, TypeError, "score_before_experts must be a bool"),
+        ({"ep_group": "world"}, TypeError, "ep_group must be a torch.distributed.ProcessGroup or None, got str"),
     ],
 )
 def test_routed_experts_bad_input(kwargs, error, match):

@@ -213,6 +213,12 @@ def test_wrapper_is_a_plain_tensor_elsewhere():
     assert isinstance(wrapped.w1, FP8FlowExpertWeight) and torch.equal(wrapped.w1._data, fresh.w1.detach())
     with pytest.raises(ValueError, match="already an FP8FlowExpertWeight"):
         wrap_expert_weights(wrapped, names=("w1",))
+    with pytest.raises(TypeError, match="names must be a sequence of parameter names, got the string 'w1'"):
+        wrap_expert_weights(_Experts(), names="w1")
+    with pytest.raises(TypeError, match="data must be a torch.Tensor, got list"):
+        FP8FlowExpertWeight([1.0])
+    with pytest.raises(TypeError, match="offs_aligned must be a bool"):
+        FP8FlowExpertWeight(torch.randn(2, 128, 128), offs_aligned="no")
 
 
 def test_wrapper_flatten_and_fsdp_hooks():
