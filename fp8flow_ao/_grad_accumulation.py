@@ -26,7 +26,7 @@ def grad_leaf(w: torch.Tensor) -> torch.Tensor | None:
         return None
     if w.is_leaf:
         return w if w.requires_grad else None
-    return _dtensor_of_local(w)
+    return dtensor_of_local(w)
 
 
 def _is_dtensor(t: object) -> bool:
@@ -35,7 +35,7 @@ def _is_dtensor(t: object) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def _dtensor_of_local(w: torch.Tensor) -> torch.Tensor | None:
+def dtensor_of_local(w: torch.Tensor) -> torch.Tensor | None:
     """The leaf ``DTensor`` ``p`` with ``w = p.to_local()`` (its autograd edge: ``to_local``'s backward, whose
     ``None`` gradient it passes on as ``None``, to ``p``'s ``AccumulateGrad``), else ``None``."""
     node = w.grad_fn

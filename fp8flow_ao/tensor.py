@@ -265,13 +265,18 @@ def to_fp8_blockwise(x: torch.Tensor) -> Float8BlockwiseActivation:
     return _QuantizeActivation.apply(x)
 
 
-def refresh_unsharded(out: torch.Tensor, cls: type, gathered: tuple, held: Callable) -> None:
-    """``fsdp_post_all_gather(out=...)``: FSDP2 refills the all-gather buffers that the unsharded
-    ``out`` (a ``cls``, possibly inside a DTensor) already wraps; copy in only a buffer that differs."""
+def unsharded_target(out: torch.Tensor, cls: type) -> torch.Tensor:
+    """The ``cls`` that FSDP2's unsharded ``out`` (``fsdp_post_all_gather(out=...)``) is or wraps in a DTensor."""
     target = out._local_tensor if hasattr(out, "_local_tensor") else out
     if not isinstance(target, cls):
         raise TypeError(f"fsdp_post_all_gather: out must wrap a {cls.__name__}, got {type(target).__name__}")
-    for new, old in zip(gathered, held(target), strict=True):
+    return target
+
+
+def refresh_unsharded(out: torch.Tensor, cls: type, gathered: tuple, held: Callable) -> None:
+    """``fsdp_post_all_gather(out=...)``: FSDP2 refills the all-gather buffers that the unsharded
+    ``out`` (a ``cls``, possibly inside a DTensor) already wraps; copy in only a buffer that differs."""
+    for new, old in zip(gathered, held(unsharded_target(out, cls)), strict=True):
         if new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr():
             old.copy_(new)
 
@@ -480,7 +485,7 @@ class FP8FlowExpertWeight(torch.Tensor):
         if self.recipe == "blockwise":
             from fp8flow_ao.parallel.fsdp import pre_all_gather
 
-            return pre_all_gather(self._data, tuple(outer_size), param_dtype), None
+            return pre_all_gather(self._data, tuple(outer_size), param_dtype, mesh.size()), None
         return (self._data.to(param_dtype),), None
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -497,10 +502,23 @@ class FP8FlowExpertWeight(torch.Tensor):
 
 
 def _plain_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """Checkpoints hold plain tensors, loadable into a model that was never converted."""
+    """Checkpoints hold plain tensors (under FSDP2 / expert parallelism: DTensors of plain local shards), loadable
+    into a model that was never converted; each shares its storage with the weight, so an in-place load (DCP)
+    writes the weight."""
     for key, value in state_dict.items():
-        if key.startswith(prefix) and isinstance(value, FP8FlowExpertWeight):
+        if not key.startswith(prefix):
+            continue
+        if isinstance(value, FP8FlowExpertWeight):
             state_dict[key] = value._data
+        elif isinstance(getattr(value, "_local_tensor", None), FP8FlowExpertWeight):  # a DTensor
+            state_dict[key] = type(value).from_local(
+                value._local_tensor._data,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
 
 
 def wrap_expert_weights(

@@ -72,7 +72,10 @@ same address cannot hit an old entry. Writes that bypass the version counter:
 * writes through ``param.data`` (a fresh version counter by design), optimizers outside ``torch.optim``
   (apex's or DeepSpeed's fused Adam write through raw pointers) and FSDP2's all-gather into the unsharded
   parameters (it runs under ``torch.autograd._unsafe_preserve_version_counter``, so a re-gather into the
-  same storage looks unchanged): call :meth:`FP8WeightCache.invalidate` after them. Forwards with grad mode
+  same storage looks unchanged): call :meth:`FP8WeightCache.invalidate` after them. (An in-place write to a
+  DTensor parameter, expert parallelism's, bumps the DTensor's counter and not its local shard's, which the
+  layer reads: :func:`step_cached_weights` keys on the DTensor's too, found through ``to_local``'s autograd
+  edge, so where the parameter requires grad.) Forwards with grad mode
   off never use the cache (:func:`step_cached_weights`), so weights swapped in through ``param.data`` for an
   evaluation under ``torch.no_grad()`` (EMA utilities) and swapped back before training need no call; a
   ``param.data`` write that training micro-batches should see does.
@@ -107,6 +110,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
+from fp8flow_ao._grad_accumulation import dtensor_of_local
 from fp8flow_ao.kernels.grouped_gemm_fp8_blockwise import quantize_in_gemm_pays
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128, quantize_128x128_pair
 
@@ -290,6 +294,7 @@ class _Entry(NamedTuple):
     states: tuple[tuple, ...]
     value: object
     stale: bool = False  # invalidate(keep_values=True): never a hit, its tensors kept for a refresh
+    versions: tuple = ()  # get's ``versions``
 
 
 class FP8WeightCache:
@@ -312,9 +317,17 @@ class FP8WeightCache:
         self.misses = 0
 
     def get(
-        self, sources: Sequence[torch.Tensor], produce: Callable[[], T], refresh: Callable[[T], T] | None = None
+        self,
+        sources: Sequence[torch.Tensor],
+        produce: Callable[[], T],
+        refresh: Callable[[T], T] | None = None,
+        versions: tuple = (),
     ) -> T:
         """The value made by ``produce()`` from ``sources``: cached, or made now and cached.
+
+        ``versions``: more state that must be unchanged for a hit, e.g. the version counters of the DTensor
+        parameters whose local shards ``sources`` are (an in-place write to a DTensor bumps its own counter,
+        not its local tensor's).
 
         ``refresh(old)``: remake a stale value into ``old``'s own tensors, kept at their addresses (for the
         inputs of CUDA graphs); used when the same sources changed only in content or address (same shapes,
@@ -328,18 +341,18 @@ class FP8WeightCache:
         states = tuple(_state(t) for t in sources)
         entry = self._entries.get(key)
         same_sources = entry is not None and all(ref() is o for ref, o in zip(entry.owners, owners, strict=True))
-        if same_sources and not entry.stale and entry.states == states:
+        if same_sources and not entry.stale and entry.states == states and entry.versions == versions:
             self.hits += 1
             return entry.value  # type: ignore[return-value]
         self.misses += 1
         if refresh is not None and same_sources and list(map(_layout, entry.states)) == list(map(_layout, states)):
             value = refresh(entry.value)
-            self._entries[key] = _Entry(entry.owners, states, value)
+            self._entries[key] = _Entry(entry.owners, states, value, versions=versions)
             return value
         self._entries.pop(key, None)  # free the stale value before making the new one
         value = produce()
         refs = tuple(weakref.ref(o, self._forget(key)) for o in owners)
-        self._entries[key] = _Entry(refs, states, value)
+        self._entries[key] = _Entry(refs, states, value, versions=versions)
         return value
 
     def _forget(self, key: tuple[int, ...]) -> Callable[[weakref.ref], None]:
@@ -442,8 +455,12 @@ def step_cached_weights(
                 mark_static_address(t, guard=False)
         return tiles
 
+    # Local shards of DTensor parameters (expert parallelism, FSDP2): an in-place write to the parameter bumps
+    # the DTensor's version counter, not the shard's.
+    parents = (dtensor_of_local(w) for w in (w1, w2, w3))
+    versions = tuple(None if p is None else p._version for p in parents)
     with torch.no_grad():  # FP8 tiles are constants to the layer's autograd graph
-        return EXPERT_WEIGHT_CACHE.get((w1, w2, w3), make, make if static_addresses else None)
+        return EXPERT_WEIGHT_CACHE.get((w1, w2, w3), make, make if static_addresses else None, versions)
 
 
 def weights_for_forward(

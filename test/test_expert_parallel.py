@@ -349,6 +349,89 @@ def test_sharded_experts_accumulate_into_their_dtensor_gradients(one_rank_group)
         assert_accumulated(second[name].to_local(), fresh[name], fresh[name])
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def test_step_cache_sees_in_place_writes_to_dtensor_weights(one_rank_group):
+    """An in-place write to a DTensor expert weight outside any optimizer (shard_experts' parameters) bumps the
+    DTensor's version counter, not its local shard's: weight_cache="step" once kept serving the old tiles."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fp8flow_ao.weight_cache import EXPERT_WEIGHT_CACHE
+
+    mesh = init_device_mesh(DEVICE, (1,), mesh_dim_names=("ep",))
+    cached, fresh = (convert_moe_layer(make_moe(**ROUTINGS["skewed"]), weight_cache=m) for m in ("step", "off"))
+    for moe in (cached, fresh):
+        shard_experts(moe.experts, mesh)
+    x, grad = _inputs(256, 128)
+    try:
+        for step in range(3):
+            got, want = run_step(cached, x, grad), run_step(fresh, x, grad)
+            for key in ("out", "x", *PARAMS[:3]):
+                assert torch.equal(
+                    *(r[key].to_local() if hasattr(r[key], "to_local") else r[key] for r in (got, want))
+                ), (step, key)
+            with torch.no_grad():
+                for moe in (cached, fresh):
+                    moe.experts.w2.mul_(1.5)  # no optimizer: only the version counters say it changed
+    finally:
+        EXPERT_WEIGHT_CACHE.invalidate()
+
+
+def test_fsdp_fp8_all_gather_on_a_one_rank_mesh(one_rank_group, tmp_path):
+    """A one-rank shard mesh (torchtitan's expert mesh when expert_parallel_degree equals data_parallel_shard_degree):
+    FSDP2 gathers nothing and hands over only its first all-gather input, which once lost the scales
+    ("not enough values to unpack"). Bit-identical to the BF16 gather over steps with updates (the refills
+    quantize into the held tiles), and its DCP checkpoint holds plain tensors that load into a BF16 layer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(DEVICE, (1,))
+    layers = {}
+    for fp8_gather in (True, False):
+        moe = convert_moe_layer(make_moe(**ROUTINGS["skewed"]), fsdp_fp8_all_gather=fp8_gather)
+        fully_shard(moe.experts, mesh=mesh)
+        fully_shard(moe, mesh=mesh)
+        layers[fp8_gather] = (moe, torch.optim.SGD(moe.parameters(), lr=1.0))
+    x, grad = _inputs(256, 128)
+    for step in range(3):
+        results = {}
+        for fp8_gather, (moe, optimizer) in layers.items():
+            results[fp8_gather] = run_step(moe, x, grad)
+            optimizer.step()
+            optimizer.zero_grad()
+        for key in ("out", "x", *PARAMS[:3]):
+            assert torch.equal(
+                *(r[key].to_local() if hasattr(r[key], "to_local") else r[key] for r in results.values())
+            ), (step, key)
+    moe = layers[True][0]
+    state = moe.state_dict()
+    assert all(type(getattr(v, "_local_tensor", v)) is torch.Tensor for v in state.values()), "plain local shards"
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt")
+    bf16 = make_moe(**ROUTINGS["skewed"], seed=5)
+    fully_shard(bf16, mesh=mesh)
+    loaded = bf16.state_dict()
+    dcp.load(loaded, checkpoint_id=tmp_path / "ckpt")
+    for name, value in state.items():
+        assert torch.equal(_local(loaded[name]), _local(value)), name
+
+
+def test_fp8_all_gather_refuses_experts_that_do_not_divide_over_the_ranks():
+    """FSDP2 pads an uneven dim-0 shard and requires every all-gather input at the padded shard's shape, which the
+    scales cannot have: every rank raises the same clear error (the ranks once failed in different ways)."""
+    from fp8flow_ao.parallel.fsdp import pre_all_gather
+
+    for shard in (torch.randn(2, 128, 256), torch.randn(1, 128, 256), torch.randn(0, 128, 256)):
+        with pytest.raises(ValueError, match="E=3 over 2 ranks"):
+            pre_all_gather(shard, (3, 128, 256), torch.bfloat16, ranks=2)
+    data, scale = pre_all_gather(torch.randn(2, 128, 256), (4, 128, 256), torch.bfloat16, ranks=2)
+    assert data.dtype == torch.float8_e4m3fn and scale.shape == (2, 1, 2)
+    (whole,) = pre_all_gather(torch.randn(3, 128, 256), (3, 128, 256), torch.bfloat16, ranks=1)
+    assert whole.dtype == torch.bfloat16 and whole.shape == (3, 128, 256)
+
+
 def test_compiled_experts_given_an_ep_group_later_run_it_eagerly(one_rank_group, monkeypatch):
     """A layer whose routed path is compiled (``fp8flow.compile_experts``) and gets its EP group after a
     compiled step (torchtitan applies EP after the converter ran) runs the EP path, eagerly: the group is

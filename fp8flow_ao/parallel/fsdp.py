@@ -18,10 +18,16 @@ all-gather extension, ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``) call t
 
 Gradients come back as plain tensors of the parameter dtype and FSDP2 reduce-scatters them in its
 ``reduce_dtype``, as without the extension. The result equals quantizing the unsharded weight bit for
-bit, because no 128x128 tile straddles a shard boundary: FSDP2 shards dim 0 (whole experts; an
-uneven last shard is padded with zero experts, which quantize to zero tiles) or, with torchtitan's
+bit, because no 128x128 tile straddles a shard boundary: FSDP2 shards dim 0 (whole experts; ``E`` must
+divide evenly over the shard ranks: FSDP2 pads an uneven last shard, and its extension API requires every
+all-gather input at the padded shard's shape, which the scales cannot have) or, with torchtitan's
 ``Shard(1)`` placement (when ``efsdp * ep > E``), rows of ``N``, where every shard must hold a multiple
 of 128 rows -- :func:`check_shard_tiles` raises a ``ValueError`` naming the sizes otherwise.
+
+On a one-rank shard mesh (torchtitan's expert mesh when ``expert_parallel_degree`` equals
+``data_parallel_shard_degree``) FSDP2 gathers nothing: it hands its first all-gather input over as the
+unsharded weight and drops the rest. There the BF16 (``param_dtype``) shard is that input, and
+:func:`post_all_gather` quantizes it: the same tiles, no communication either way.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 
 from fp8flow_ao._format import BLOCK
 from fp8flow_ao.kernels.quantize_128x128 import quantize_128x128
-from fp8flow_ao.tensor import Float8BlockwiseWeight, refresh_unsharded
+from fp8flow_ao.tensor import Float8BlockwiseWeight, refresh_unsharded, unsharded_target
 
 
 def check_shard_tiles(shard_shape: tuple[int, ...], full_shape: tuple[int, ...]) -> None:
@@ -52,18 +58,29 @@ def check_shard_tiles(shard_shape: tuple[int, ...], full_shape: tuple[int, ...])
 
 
 def pre_all_gather(
-    shard: torch.Tensor, full_shape: tuple[int, ...], param_dtype: torch.dtype
+    shard: torch.Tensor, full_shape: tuple[int, ...], param_dtype: torch.dtype, ranks: int
 ) -> tuple[torch.Tensor, ...]:
     """``fsdp_pre_all_gather`` of a blockwise expert weight: the FP8 tiles of one shard ``[E_s, N_s, K]``.
 
     Returns ``(data E4M3 [E_s, N_s, K], scale_inv fp32 [E_s, N_s/128, K/128])``, quantized from the shard
     in ``param_dtype`` (what a BF16 all-gather would move), so the gathered tiles equal the BF16
-    gather's quantization bit for bit. Quantized at every all-gather (forward, and backward's
+    gather's quantization bit for bit; on a one-rank shard mesh (``ranks`` 1) the shard itself in
+    ``param_dtype`` (module docstring). Quantized at every all-gather (forward, and backward's
     re-gather when FSDP2 reshards after forward): a shard is ``1/world`` of the weight, and nothing
     here can tell that the optimizer changed it (FSDP2's optimizer updates bump the version counter
     of the sharded DTensor parameter only, not of the local shard this hook sees), so no cache.
+    Raises ``ValueError`` (on every rank alike) where ``E`` does not divide over ``ranks``.
     """
+    experts = full_shape[0]
+    if tuple(shard.shape[1:]) == tuple(full_shape[1:]) and experts % ranks:
+        raise ValueError(
+            f"FP8 all-gather of expert weights needs the experts to divide evenly over the FSDP shard ranks: "
+            f"E={experts} over {ranks} ranks (FSDP2 pads the last shard, and the all-gathered scales cannot be "
+            "padded to its shape). Choose E divisible by the shard degree, or set fsdp_fp8_all_gather=False"
+        )
     check_shard_tiles(tuple(shard.shape), tuple(full_shape))
+    if ranks == 1:
+        return (shard.to(param_dtype),)
     data, scale_inv, _, _ = quantize_128x128(shard.to(param_dtype).contiguous(), with_transpose=False)
     return data, scale_inv
 
@@ -74,8 +91,13 @@ def post_all_gather(
     """``fsdp_post_all_gather``: the gathered tiles as a :class:`~fp8flow_ao.tensor.Float8BlockwiseWeight`.
 
     After the first all-gather FSDP2 refills the same output buffers (``out`` given), which the
-    unsharded weight already wraps; a different buffer is copied in.
+    unsharded weight already wraps; a different buffer is copied in. One output (a one-rank shard mesh:
+    the whole weight in ``param_dtype``, :func:`pre_all_gather`) is quantized here, into ``out``'s tiles
+    where given.
     """
+    if len(outputs) == 1:
+        held = None if out is None else (*unsharded_target(out, Float8BlockwiseWeight).data_and_scale(), None, None)
+        outputs = quantize_128x128(outputs[0].contiguous(), with_transpose=False, out=held)[:2]
     data, scale_inv = outputs
     if out is None:
         return Float8BlockwiseWeight(data, scale_inv, param_dtype), (data, scale_inv)
