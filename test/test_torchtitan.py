@@ -225,6 +225,8 @@ def test_converter_options_reach_fp8flow_config() -> None:
     keep = fqn_filter(["layers.2."])
     assert keep(None, "layers.1.moe") and not keep(None, "layers.2.moe")
     assert fqn_filter([]) is None
+    with pytest.raises(TypeError, match="must be a list of FQN substrings, got the string 'layers.1.'"):
+        fqn_filter("layers.1.")  # a TOML string, which torchtitan passes on unchecked
 
 
 def test_weight_cache_option_reaches_the_layers_and_the_hook_drops_the_cache() -> None:
@@ -370,6 +372,10 @@ def test_compile_experts_refuses_bad_values_and_skips_expert_parallel() -> None:
     cfg.fp8flow.compile_experts = "on"
     with pytest.raises(ValueError, match="expert_parallel_degree > 1"):
         FP8FlowConverter(cfg, ep2)
+    cfg.fp8flow.backward = "bf16_wgrad"
+    with pytest.raises(ValueError, match='not supported with fp8flow.backward = "bf16_wgrad"'):
+        FP8FlowConverter(cfg, None)
+    cfg.fp8flow.backward = "fp8"
     cfg.fp8flow.recipe = "rowwise"
     with pytest.raises(ValueError, match='needs fp8flow.recipe = "blockwise"'):
         FP8FlowConverter(cfg, None)

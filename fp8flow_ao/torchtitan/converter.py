@@ -37,6 +37,8 @@ CONVERTER_NAME = "fp8flow"
 
 def fqn_filter(filter_fqns: Sequence[str]) -> Callable[[nn.Module, str], bool] | None:
     """A module filter that keeps every module whose FQN contains none of ``filter_fqns`` (None: keep all)."""
+    if isinstance(filter_fqns, str):  # torchtitan does not type-check TOML: "layers.1." would skip per character
+        raise TypeError(f"fp8flow.filter_fqns must be a list of FQN substrings, got the string {filter_fqns!r}")
     if not filter_fqns:
         return None
     skip = tuple(filter_fqns)
@@ -59,8 +61,8 @@ def _experts_compile_backend(job_config: JobConfig, options: FP8Flow, ep_degree:
 
     ``fp8flow.compile_experts``: "auto" follows torchtitan's own switch (``compile.enable`` and "model" in
     ``compile.components``), "on" compiles always, "off" never. Expert parallelism runs eagerly (its
-    split sizes are host integers), and so do the ablation backwards; "on" with expert parallelism or with
-    the rowwise recipe is a ``ValueError``.
+    split sizes are host integers), and so do the ablation backwards; "on" with expert parallelism, an
+    ablation backward or the rowwise recipe is a ``ValueError``.
     """
     mode = options.compile_experts
     if mode not in ("auto", "on", "off"):
@@ -69,6 +71,13 @@ def _experts_compile_backend(job_config: JobConfig, options: FP8Flow, ep_degree:
         raise ValueError(
             'fp8flow.compile_experts = "on" needs fp8flow.recipe = "blockwise" (the rowwise recipe runs '
             "torchtitan's own expert path, which torchtitan compiles itself)"
+        )
+    from fp8flow_ao.moe import ABLATIONS
+
+    if mode == "on" and options.backward in ABLATIONS:
+        raise ValueError(
+            f'fp8flow.compile_experts = "on" is not supported with fp8flow.backward = "{options.backward}" (an '
+            'ablation: its backward runs autograd on a BF16 graph); use "auto" (eager there) or "off"'
         )
     if mode == "on" and ep_degree > 1:
         raise ValueError(
