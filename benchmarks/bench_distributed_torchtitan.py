@@ -9,8 +9,9 @@ are split over all G (torchtitan's EP borrows the FSDP ranks: EP=G x FSDP=G for 
 
 * ``fsdp`` / ``ep``: 50 steps of the debug model without / with ``expert_parallel_degree G``;
   deterministic kernels; ``ep`` saves a DCP checkpoint at step 25. Goal: FP8-Flow's losses within
-  0.5% of BF16's. ``fsdp`` also runs FP8-Flow with ``fp8flow.fsdp_fp8_all_gather`` (expert weights
-  gathered as FP8 tiles): its losses must equal the BF16-gather run's bit for bit.
+  0.5% of BF16's. Each also runs FP8-Flow with ``fp8flow.fsdp_fp8_all_gather`` (expert weights
+  gathered as FP8 tiles; under ``ep`` the experts' shard mesh has one rank, where FSDP2 gathers nothing, and
+  the checkpoint holds the FP8-gathered weights): its losses must equal the BF16-gather run's bit for bit.
 * ``resume``: FP8-Flow EP restarted from the ``ep`` run's step-25 checkpoint: steps 26-50 must
   reproduce the uninterrupted run's losses bit for bit.
 * ``cross``: the BF16 step-25 checkpoint loaded (model only, same keys) into an FP8-Flow run, and the
@@ -108,13 +109,20 @@ def plan_runs(groups: list[str], gpus: int, work: Path, scale_steps: int = 100) 
     def dump(name: str) -> list[str]:
         return ["--job.dump_folder", str(work / name)]
 
+    def fp8_gather(mode: str, *args: str) -> RunSpec:
+        """FP8-Flow with the expert weights all-gathered as FP8 tiles, beside the mode's BF16-gather run."""
+        return RunSpec(
+            f"{mode}-fp8gather", "fp8flow", (*args, "--fp8flow.fsdp_fp8_all_gather", *dump(f"{mode}-fp8gather"))
+        )
+
     runs: list[RunSpec] = []
     if "fsdp" in groups:
         runs += [RunSpec(f"fsdp-{r}", r, (*debug, *fsdp, *DETERMINISTIC, *dump(f"fsdp-{r}"))) for r in RECIPES]
-        gather = (*debug, *fsdp, *DETERMINISTIC, "--fp8flow.fsdp_fp8_all_gather", *dump("fsdp-fp8gather"))
-        runs.append(RunSpec("fsdp-fp8gather", "fp8flow", gather))
+        runs.append(fp8_gather("fsdp", *debug, *fsdp, *DETERMINISTIC))
     if {"ep", "resume", "cross"} & set(groups):
         runs += [RunSpec(f"ep-{r}", r, (*debug, *ep, *DETERMINISTIC, *CHECKPOINT, *dump(f"ep-{r}"))) for r in RECIPES]
+    if "ep" in groups:
+        runs.append(fp8_gather("ep", *debug, *ep, *DETERMINISTIC, *CHECKPOINT))
     if "resume" in groups:
         place = functools.partial(copy_step, work / "ep-fp8flow", 25, work / "resume-fp8flow")
         resume = (*debug, *ep, *DETERMINISTIC, *CHECKPOINT, *dump("resume-fp8flow"))
@@ -256,12 +264,14 @@ def report(records: dict, name: str) -> None:
                 baseline_slow_steps=_slow_steps(bf16["step_seconds"], warm),
             )
         )
-    gathered, plain = ok.get("fsdp-fp8gather"), ok.get("fsdp-fp8flow")
-    if gathered and plain:
+    for mode, where in (("fsdp", "FSDP2"), ("ep", "EP x FSDP2 (the experts' shard mesh: one rank)")):
+        gathered, plain = ok.get(f"{mode}-fp8gather"), ok.get(f"{mode}-fp8flow")
+        if not (gathered and plain):
+            continue
         step = {k: statistics.median(r["step_seconds"][3:]) * 1e3 for k, r in (("fp8", gathered), ("bf16", plain))}
         same = gathered["losses"] == plain["losses"]
         notes.append(
-            f"FSDP2 with fsdp_fp8_all_gather (expert weights gathered as FP8 tiles): losses "
+            f"{where} with fsdp_fp8_all_gather (expert weights gathered as FP8 tiles): losses "
             f"{'bit-identical to' if same else 'DIFFER from'} the BF16-gather FP8-Flow run; median step "
             f"{step['fp8']:.2f} ms vs {step['bf16']:.2f} ms; peak {gathered['peak_mem_gib']:.2f} vs "
             f"{plain['peak_mem_gib']:.2f} GiB (debug model: a functional check, its weights are tiny)."
