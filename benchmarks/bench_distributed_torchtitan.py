@@ -11,7 +11,10 @@ are split over all G (torchtitan's EP borrows the FSDP ranks: EP=G x FSDP=G for 
   deterministic kernels; ``ep`` saves a DCP checkpoint at step 25. Goal: FP8-Flow's losses within
   0.5% of BF16's. Each also runs FP8-Flow with ``fp8flow.fsdp_fp8_all_gather`` (expert weights
   gathered as FP8 tiles; under ``ep`` the experts' shard mesh has one rank, where FSDP2 gathers nothing, and
-  the checkpoint holds the FP8-gathered weights): its losses must equal the BF16-gather run's bit for bit.
+  the checkpoint holds the FP8-gathered weights): under ``fsdp`` its losses must equal the BF16-gather run's
+  bit for bit; under ``ep`` two launches of one configuration already part after a few steps (H200 x2,
+  session 51: ``ep-bf16`` from step 8, ``ep-fp8flow`` from step 9, at ~1e-5), so there the goal is the loss gap
+  (the layer-level bit identity is ``test_fsdp_fp8_all_gather_on_a_one_rank_mesh``'s).
 * ``resume``: FP8-Flow EP restarted from the ``ep`` run's step-25 checkpoint: steps 26-50 must
   reproduce the uninterrupted run's losses bit for bit.
 * ``cross``: the BF16 step-25 checkpoint loaded (model only, same keys) into an FP8-Flow run, and the
