@@ -23,15 +23,16 @@ parameters, the layer benchmark's fixed balanced routing, ``bench_moe_layer.py``
 Per (case, variant, micro-batch): the median over ``--repeats`` interleaved repetitions of do_bench's median
 step time (the first micro-batch sets the parameters' gradients to ``None`` before each step; the accumulating
 one leaves them), the repetitions' spread, and the peak memory of one step above what was allocated before it
-(the accumulating micro-batch's resident gradients are in "before"). ``speedup``: the same mode's BF16 step over
+(the accumulating micro-batch's resident gradients are in "before"; the first micro-batch starts from none). ``speedup``: the same mode's BF16 step over
 this variant's. Writes ``benchmarks/results/grad_accumulation.{json,md}``.
 
-    python benchmarks/bench_grad_accumulation.py [--cases deepseek qwen] [--repeats 3]
+    python benchmarks/bench_grad_accumulation.py [--cases deepseek qwen] [--repeats 3] [--tag NAME]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 from collections.abc import Callable
@@ -59,8 +60,22 @@ def build(base: torch.nn.Module, variant: str, fixed: FixedRouting) -> torch.nn.
     return block
 
 
-def peak_gib(step: Callable[[torch.Tensor, torch.Tensor], None], x: torch.Tensor, dy: torch.Tensor) -> float:
-    """Peak memory of one step above what was allocated before it, GiB."""
+def peak_gib(
+    step: Callable[[torch.Tensor, torch.Tensor], None],
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    block: torch.nn.Module,
+    keep_weight_grads: bool,
+) -> float:
+    """Peak memory of one step above what was allocated before it, GiB. The gradients the step itself drops
+    first (``x``'s, and on a first micro-batch the weights') are dropped before "before" is read: left there
+    (from the timed steps), their bytes freed inside the step hid as much of the step's own peak -- the first
+    micro-batch's peaks of sessions 46-50 were low by the weight gradients' size (2.6 GiB DeepSeek-like)."""
+    x.grad = None
+    if not keep_weight_grads:
+        for p in block.parameters():
+            p.grad = None
+    gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -89,7 +104,7 @@ def run_case(name: str, repeats: int) -> list[dict]:
         for key, step in steps.items():
             times[key].append(statistics.median(bench_us_all(step, [(x, dy)])))
             print(f"{name} rep {rep} {key}: {times[key][-1]:.1f} us", flush=True)
-    peaks = {key: peak_gib(step, x, dy) for key, step in steps.items()}
+    peaks = {(v, mb): peak_gib(step, x, dy, blocks[v], mb == "accumulating") for (v, mb), step in steps.items()}
     rows = []
     for variant, mb in steps:
         baseline = "bf16_compiled" if variant.endswith("_compiled") else "bf16"
@@ -119,6 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", choices=("deepseek", "qwen"), default=["deepseek", "qwen"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tag", default="", help="appended to the result files' names (keeps another run's files)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_grad_accumulation: needs a CUDA GPU; skipped")
@@ -135,7 +151,7 @@ def main() -> None:
         "median); baseline: BF16 in the same mode (eager or compiled). peak_gib: one step's peak above the memory "
         "allocated before it."
     )
-    write_results("grad_accumulation", rows, notes)
+    write_results("grad_accumulation" + (f"_{args.tag}" if args.tag else ""), rows, notes)
 
 
 if __name__ == "__main__":
