@@ -99,6 +99,13 @@ def parallelism(gpus: int, ep: bool) -> list[str]:
     return flags + (["--parallelism.expert_parallel_degree", str(gpus)] if ep else [])
 
 
+def _degrees(args: list[str]) -> str:
+    """ "EP=e x FSDP=f" as a run's arguments set them (``parallelism``)."""
+    value = {a: args[i + 1] for i, a in enumerate(args[:-1])}
+    ep, fsdp = (value.get(f"--parallelism.{k}_degree", "1") for k in ("expert_parallel", "data_parallel_shard"))
+    return f"EP={ep} x FSDP={fsdp}"
+
+
 def plan_runs(groups: list[str], gpus: int, work: Path, scale_steps: int = 100) -> list[RunSpec]:
     """The launches of ``groups`` on ``gpus`` GPUs, in order (see the module docstring)."""
     unknown = sorted(set(groups) - set(RUN_GROUPS))
@@ -287,7 +294,7 @@ def report(records: dict, name: str) -> None:
             None,
         )
         notes.append(
-            f"DCP resume (FP8-Flow, EP=2 x FSDP=2, deterministic): steps 26-50 after loading step 25 "
+            f"DCP resume (FP8-Flow, {_degrees(resumed['args'])}, deterministic): steps 26-50 after loading step 25 "
             f"{'reproduce the uninterrupted losses bit for bit' if same else f'DIFFER from the uninterrupted run from step {parted}'} "
             f"(resumed {resumed['losses'][:3]}..., uninterrupted {full['losses'][25:28]}...)."
         )

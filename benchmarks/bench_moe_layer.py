@@ -17,7 +17,8 @@ Variants, each ``torch.compile``-d (default mode, graph breaks allowed so every 
   ``_to_fp8_blockwise_then_scaled_grouped_mm`` (1x128 activations, 128x128 weights; DeepGEMM
   kernels when the optional ``deep_gemm`` package is installed, else torchao's emulated Triton
   path: the ``notes`` say which). torchao 0.18 has no config/converter for it, so its experts'
-  forward is swapped here;
+  forward is swapped here, as torchtitan's expert function calls the GEMMs: w1 and w3 apart, so x is
+  quantized twice (a joined ``[w1; w3]`` GEMM would be torchao's best case; not measured);
 * ``fp8flow`` / ``fp8flow_recompute``: ``quantize_(layer, FP8FlowConfig(recompute_experts=...))``;
 * ``fp8flow_wt_forward``: ``FP8FlowConfig(weight_cache="forward")``: the forward writes the weights'
   exact transposes in the same pass and keeps them for backward (memory for speed; where the block's

@@ -141,7 +141,7 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
     scattered = {"what": "scatter only (pinned)", "gbps_rows_fetched": None}
     scattered["device_us"] = device_us(_scatter, gather_sets)
     quantized = [
-        _quantized_row(case, gather_sets, keep, tokens * dim * 2 + m_pad * 4 + out_bytes) for keep in (False, True)
+        _quantized_row(case, gather_sets, keep, tokens * dim * 2 + total_rows * 4 + out_bytes) for keep in (False, True)
     ]
     return [
         *quantized,
@@ -168,7 +168,8 @@ def bench_case(shape, total_rows: int, skewed: bool, compiled) -> list[dict]:
 
 def _quantized_row(case: str, gather_sets, keep: bool, rows_bytes: int) -> dict:
     """``permute_pad_rows(quantize=True)`` (scatter form) against quantize_1x128 + permute_pad_rows, BF16 tokens
-    in; checked bit for bit first. Bytes: BF16 x read once, src_rows, the padded FP8 rows and scales written,
+    in; checked bit for bit first. Bytes: BF16 x read once, dst_rows (the scatter form's index: ``T*k`` int32;
+    session 51, the ``M_pad`` of src_rows before, under 1% of the bytes), the padded FP8 rows and scales written,
     and with ``keep`` the token-order FP8 rows and scales too."""
     tokens, dim = gather_sets[0][0].shape
     bf16_sets = [

@@ -74,8 +74,9 @@ def bytes_moved(m: int, k: int, rows_read: int) -> int:
 
 
 def sweep_rows(case: str, sets: list[tuple], nbytes: int, extra: dict) -> list[dict]:
-    """One row per launch configuration (no baseline), each checked bit for bit against the default's output."""
-    expected = launch_scaling_aware_transpose(*sets[0])
+    """One row per launch configuration (no baseline), each checked bit for bit against the torch reference's
+    output (the oracle; not the default configuration's, which a wrong default would share)."""
+    expected = scaling_aware_transpose_reference(*sets[0])
     rows = []
     for config in transpose_configs():
         got = launch_scaling_aware_transpose(*sets[0], config=config)

@@ -30,6 +30,7 @@ def test_plan_uses_every_gpu_for_fsdp_and_ep(tmp_path, gpus):
     assert all(_flag(r.args, "--model.flavor") == "fp8flow_dsv3_experts" for r in scale)
     resume = next(r for r in runs if r.name == "resume-fp8flow")
     assert resume.needs == "ep-fp8flow" and names.index("ep-fp8flow") < names.index("resume-fp8flow")
+    assert bench._degrees(resume.args) == f"EP={gpus} x FSDP={gpus}"
     for mode in ("fsdp", "ep"):  # each beside its BF16-gather FP8-Flow run, same arguments but the option
         gather, plain = (next(r for r in runs if r.name == f"{mode}-{k}") for k in ("fp8gather", "fp8flow"))
         strip = lambda args: [a for i, a in enumerate(args) if "--job.dump_folder" not in (a, args[i - 1])]  # noqa: E731

@@ -58,8 +58,21 @@ def test_reference_properties():
     assert torch.equal(torch.signbit(data[5].float()), torch.signbit(x[5]))
     # non-finite input gives non-finite dequantized output in its block
     assert torch.isnan(data[6, 3].float()) and torch.isinf(scale_inv[7, 0])
-    # a tie is rounded to even: 125.5 * 2**-... lands on representable neighbours only
-    assert bool(torch.isfinite(data[2].float()).all())
+    # 125.5 with scale 0.5 lands on 251, between E4M3's 240 and 256: the nearest, 256
+    assert torch.equal(scale_inv[2], torch.full((2,), 0.5)) and bool((data[2].float().abs() == 256).all())
+
+
+def test_ties_round_to_even():
+    """Values halfway between E4M3 neighbours (scale 1: the block's amax is 448) go to the even mantissa, in the
+    reference and in the kernel: 232 between 224 and 240 -> 224, 200 between 192 and 208 -> 192, 34 between
+    32 and 36 -> 32, 38 between 36 and 40 -> 40."""
+    x = torch.zeros(1, 128)
+    x[0, :6] = torch.tensor([448.0, 232.0, 200.0, -232.0, 34.0, 38.0])
+    data, scale_inv = quantize_1x128_reference(x)
+    assert torch.equal(scale_inv, torch.ones(1, 1))
+    assert data[0, :6].float().tolist() == [448.0, 224.0, 192.0, -224.0, 32.0, 40.0]
+    kernel_data, _ = launch_quantize_1x128(x.to(DEVICE))
+    assert_fp8_equal(kernel_data, data)
 
 
 def test_row_stride_is_free():
