@@ -39,7 +39,16 @@ from collections.abc import Callable
 
 import torch
 from _bench import bench_us_all, row, write_results
-from bench_moe_layer import CASES, FixedRouting, build_bf16, convert, install_routing, make_step, routing
+from bench_moe_layer import (
+    CASES,
+    FixedRouting,
+    build_bf16,
+    convert,
+    drop_grads,
+    install_routing,
+    make_step,
+    routing,
+)
 
 VARIANTS = ("bf16", "fp8flow", "fp8flow_unfused", "fp8flow_wt_step", "bf16_compiled", "fp8flow_compiled")
 MICRO_BATCHES = ("first", "accumulating")
@@ -71,10 +80,10 @@ def peak_gib(
     first (``x``'s, and on a first micro-batch the weights') are dropped before "before" is read: left there
     (from the timed steps), their bytes freed inside the step hid as much of the step's own peak -- the first
     micro-batch's peaks of sessions 46-50 were low by the weight gradients' size (2.6 GiB DeepSeek-like)."""
-    x.grad = None
-    if not keep_weight_grads:
-        for p in block.parameters():
-            p.grad = None
+    if keep_weight_grads:
+        x.grad = None
+    else:
+        drop_grads(block, [(x, dy)])
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

@@ -369,9 +369,7 @@ def test_step_cache_sees_in_place_writes_to_dtensor_weights(one_rank_group):
         for step in range(3):
             got, want = run_step(cached, x, grad), run_step(fresh, x, grad)
             for key in ("out", "x", *PARAMS[:3]):
-                assert torch.equal(
-                    *(r[key].to_local() if hasattr(r[key], "to_local") else r[key] for r in (got, want))
-                ), (step, key)
+                assert torch.equal(_local(got[key]), _local(want[key])), (step, key)
             with torch.no_grad():
                 for moe in (cached, fresh):
                     moe.experts.w2.mul_(1.5)  # no optimizer: only the version counters say it changed
@@ -403,9 +401,7 @@ def test_fsdp_fp8_all_gather_on_a_one_rank_mesh(one_rank_group, tmp_path):
             optimizer.step()
             optimizer.zero_grad()
         for key in ("out", "x", *PARAMS[:3]):
-            assert torch.equal(
-                *(r[key].to_local() if hasattr(r[key], "to_local") else r[key] for r in results.values())
-            ), (step, key)
+            assert torch.equal(_local(results[True][key]), _local(results[False][key])), (step, key)
     moe = layers[True][0]
     state = moe.state_dict()
     assert all(type(getattr(v, "_local_tensor", v)) is torch.Tensor for v in state.values()), "plain local shards"
