@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import pytest
 import torch
 from conftest import INTERPRETING
 
@@ -204,6 +205,48 @@ def assert_fp8_close(actual: torch.Tensor, expected: torch.Tensor, min_exact: fl
 # Hopper the FP8 tensor cores add the products of each 128-wide block with ~14-bit alignment (why the
 # partials are promoted every 128; DeepSeek-V3 report, 3.3.2): measured 1.2e-4..2e-4 on an H200.
 GEMM_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5 if INTERPRETING else 5e-4}
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The worst relative error (Frobenius norm) of any row (last dim) of ``actual`` against ``expected``.
+
+    Row by row, not over the whole tensor: the GEMM tests spread their rows' and experts' magnitudes over six
+    decades, and a whole-tensor norm would hide a wrong row or expert among the small ones. A row that is exactly
+    zero in ``expected`` (a pad row, an empty expert) must be exactly zero in ``actual`` (else the error is inf).
+    """
+    if actual.shape != expected.shape:
+        raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    if actual.numel() == 0:
+        return 0.0
+    a, e = (t.detach().cpu().double().reshape(-1, t.shape[-1]) for t in (actual, expected))
+    diff, norm = (a - e).norm(dim=1), e.norm(dim=1)
+    zero_ok = torch.where(diff == 0, 0.0, float("inf"))
+    return float(torch.where(norm > 0, diff / norm.clamp_min(1e-300), zero_ok).max())
+
+
+# Seeds of random_grouping: the first two small enough for the CPU interpreter, the rest GPU-sized.
+RANDOM_GROUPING_SEEDS = [0, 1, *(pytest.param(seed, marks=pytest.mark.gpu) for seed in range(100, 112))]
+
+
+def random_grouping(seed: int) -> tuple[list[int], int, int, int]:
+    """A grouping no test names, drawn from ``seed``: (rows per group, K, N, rows past the last end).
+
+    Group sizes mix empty groups, single rows, 127/128/129 (a tile's edges) and random sizes; K and N are any
+    multiples of 128 (odd ones too: no 256-wide tile). Seeds under 100 are small (the CPU interpreter)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(high: int) -> int:
+        return int(torch.randint(1, high + 1, (1,), generator=g))
+
+    small = seed < 100
+    edges = [0, 0, 1, 127, 128, 129]
+    counts = []
+    for _ in range(draw(5 if small else 40)):
+        pick = draw(len(edges) + 4) - 1
+        counts.append(edges[pick] if pick < len(edges) else draw(300 if small else 900))
+    k, n = (BLOCK * draw(3 if small else 16) for _ in range(2))
+    extra = draw(200) if draw(2) == 2 else 0
+    return counts, k, n, extra
 
 
 def padded_ends(counts: list[int]) -> list[int]:

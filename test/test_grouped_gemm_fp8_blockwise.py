@@ -10,7 +10,16 @@ import torch
 import triton
 from conftest import DEVICE, INTERPRETING
 from fp8_helpers import GEMM_TOLERANCE as TOLERANCE
-from fp8_helpers import assert_fp8_equal, assert_scales_equal, build_every_sm90_config, padded_ends, param_id
+from fp8_helpers import (
+    RANDOM_GROUPING_SEEDS,
+    assert_fp8_equal,
+    assert_scales_equal,
+    build_every_sm90_config,
+    padded_ends,
+    param_id,
+    random_grouping,
+    rel_error,
+)
 
 from fp8flow_ao._format import BLOCK, quantize_rows_reference
 from fp8flow_ao.kernels import grouped_gemm_fp8_blockwise as mod
@@ -59,11 +68,6 @@ def make_weights(e: int, n: int, k: int, device: str = DEVICE):
     return data.to(device), scale.to(device)
 
 
-def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    diff = (actual.double().cpu() - expected.double().cpu()).norm()
-    return float(diff / expected.double().cpu().norm().clamp_min(1e-30))
-
-
 def check(out, a, a_scale, b, b_scale, offsets, out_dtype):
     ref = grouped_gemm_fp8_blockwise_reference(
         a.cpu(), a_scale.cpu(), b.cpu(), b_scale.cpu(), offsets.cpu(), torch.float32
@@ -95,6 +99,16 @@ def test_forward_matches_reference(case, out_dtype, launch):
     b, b_scale = make_weights(len(counts), n, k)
     out = launch(a, a_scale, b, b_scale, offsets, out_dtype)
     check(out, a, a_scale, b, b_scale, offsets, out_dtype)
+
+
+@pytest.mark.parametrize("seed", RANDOM_GROUPING_SEEDS)
+def test_random_groupings_match_reference(seed, launch):
+    """Groupings and widths no case above names, checked row by row (:func:`fp8_helpers.rel_error`)."""
+    counts, k, n, extra = random_grouping(seed)
+    a, a_scale, offsets = make_rows(counts, k, extra)
+    b, b_scale = make_weights(len(counts), n, k)
+    out = launch(a, a_scale, b, b_scale, offsets, torch.bfloat16)
+    check(out, a, a_scale, b, b_scale, offsets, torch.bfloat16)
 
 
 def test_dgrad_uses_the_transposed_weight(launch):

@@ -11,7 +11,15 @@ import pytest
 import torch
 from conftest import DEVICE
 from fp8_helpers import GEMM_TOLERANCE as TOLERANCE
-from fp8_helpers import build_every_sm90_config, capture_cuda_graph, padded_ends, param_id
+from fp8_helpers import (
+    RANDOM_GROUPING_SEEDS,
+    build_every_sm90_config,
+    capture_cuda_graph,
+    padded_ends,
+    param_id,
+    random_grouping,
+    rel_error,
+)
 
 from fp8flow_ao._format import BLOCK, FP8_DTYPE, quantize_rows_reference
 from fp8flow_ao.kernels import grouped_gemm_fp8_wgrad as mod
@@ -63,11 +71,6 @@ def make_operands(counts: list[int], n: int, k: int, extra_rows: int = 0, device
     return [t.to(device) for t in (a_t, a_t_scale, b_t, b_t_scale, offsets)]
 
 
-def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    diff = (actual.double().cpu() - expected.double().cpu()).norm()
-    return float(diff / expected.double().cpu().norm().clamp_min(1e-30))
-
-
 def check(out, a_t, a_t_scale, b_t, b_t_scale, offsets, out_dtype, counts):
     ref = grouped_gemm_fp8_wgrad_reference(*(t.cpu() for t in (a_t, a_t_scale, b_t, b_t_scale, offsets)))
     assert out.shape == ref.shape and out.dtype == out_dtype
@@ -97,6 +100,15 @@ def test_wgrad_matches_reference(case, out_dtype, launch):
     args = make_operands(counts, n, k, extra)
     out = launch(*args, out_dtype)
     check(out, *args, out_dtype, counts)
+
+
+@pytest.mark.parametrize("seed", RANDOM_GROUPING_SEEDS)
+def test_random_groupings_match_reference(seed, launch):
+    """Groupings and widths no case above names, checked row by row (:func:`fp8_helpers.rel_error`)."""
+    counts, n, k, extra = random_grouping(seed)
+    args = make_operands(counts, n, k, extra - extra % 16)  # the column-wise operands' rows: 16-byte aligned
+    out = launch(*args, torch.float32)
+    check(out, *args, torch.float32, counts)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

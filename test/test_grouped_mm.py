@@ -7,7 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE
-from fp8_helpers import assert_accumulated, assert_sizes_compile_nothing_new, capture_cuda_graph, sqnr_db
+from fp8_helpers import (
+    GEMM_TOLERANCE,
+    assert_accumulated,
+    assert_sizes_compile_nothing_new,
+    capture_cuda_graph,
+    padded_ends,
+    random_grouping,
+    rel_error,
+    sqnr_db,
+)
 
 from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.grouped_mm import fp8_grouped_mm
@@ -435,6 +444,50 @@ def test_gpu_kernels_numerics_and_no_sync(recipe, groups):
     """Triton kernels (and torch._scaled_grouped_mm) at a moderate shape, with device syncs forbidden."""
     ends = {"balanced": [1024, 2048, 3072, 4096], "skewed": [0, 3072, 3072, 4096]}[groups]
     _check_numerics(ends, recipe, device="cuda", shape=(4096, 1024, 2048), sync_debug=True)
+
+
+def _random_op_case(seed: int) -> dict:
+    """A random grouping (:func:`fp8_helpers.random_grouping`) as the op takes it, with the choices the seed
+    also draws: offsets 128-aligned (the FP8-Flow layout) or not (padded inside the op), bf16 or fp32
+    weights, and a weight gradient already there to accumulate into."""
+    counts, k, n, extra = random_grouping(seed)
+    g = torch.Generator().manual_seed(seed)
+    aligned, fp32_w, accumulate = (bool(b) for b in torch.randint(0, 2, (3,), generator=g))
+    ends = padded_ends(counts) if aligned else torch.tensor(counts).cumsum(0).tolist()
+    m = ends[-1] + (-(-extra // 128) * 128 if aligned else extra)
+    w_dtype = torch.float32 if fp32_w else torch.bfloat16
+    a = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[torch.randperm(m, generator=g)][:, None]
+    w = torch.randn(len(counts), n, k, generator=g) * torch.logspace(-3, -1, len(counts))[:, None, None]
+    return {
+        "a": a.to(torch.bfloat16), "w": w.to(w_dtype), "offs": torch.tensor(ends, dtype=torch.int32),
+        "grad_out": torch.randn(m, n, generator=g).to(torch.bfloat16), "aligned": aligned,
+        "existing": torch.randn(w.shape, generator=g).to(w_dtype) if accumulate else None,
+    }  # fmt: skip
+
+
+def _op_step(case: dict, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward + ``.backward()`` on ``device``: out, a.grad, w.grad (added into ``existing`` where there is one)."""
+    a, w = (case[n].to(device).requires_grad_() for n in ("a", "w"))
+    if case["existing"] is not None:
+        w.grad = case["existing"].to(device)
+    out = fp8_grouped_mm(a, w.transpose(-2, -1), case["offs"].to(device), offs_aligned=case["aligned"])
+    out.backward(case["grad_out"].to(device))
+    return out.detach(), a.grad, w.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(200, 212))
+def test_gpu_random_cases_match_the_cpu_path_row_by_row(seed):
+    """The kernels (GPU) against the op's torch references (CPU), which quantize to the same FP8 bits: out, dA
+    and dW agree row by row to the GEMMs' accumulation order (and each empty expert's dW is its existing
+    gradient, or zero). Row by row, because the rows' and experts' magnitudes spread over four decades."""
+    case = _random_op_case(seed)
+    gpu, cpu = _op_step(case, "cuda"), _op_step(case, "cpu")
+    for name, got, want in zip(("out", "dA", "dW"), gpu, cpu, strict=True):
+        assert got.dtype == want.dtype, name
+        assert rel_error(got, want) < GEMM_TOLERANCE[want.dtype], (name, rel_error(got, want))
+    rows = int(case["offs"][-1])
+    assert torch.count_nonzero(gpu[0][rows:]) == 0 and torch.count_nonzero(gpu[1][rows:]) == 0
 
 
 class _FP8FlowCalls(FP8FlowOpCounter):

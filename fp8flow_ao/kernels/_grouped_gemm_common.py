@@ -140,6 +140,21 @@ def autotuned(
     return triton.autotune(configs=list(configs), key=AUTOTUNE_KEY, restore_value=list(restore_value))
 
 
+def rows_by_group(group_end_offsets: torch.Tensor, m: int) -> tuple[torch.Tensor, ...]:
+    """The torch references' split of ``m`` rows into the ``E`` groups: per group, the indices of its rows
+    (``torch.searchsorted(ends, row, right=True)`` owns a row; rows at or past the last end belong to none).
+
+    Each reference multiplies a group's rows alone, so it costs its groups' FLOPs rather than ``E`` times the
+    whole ``m`` (the CPU path's training step). The group sizes are read on the host: a sync for a CUDA tensor,
+    where only the tests call a reference (the ops' CUDA kernels are the launchers).
+    """
+    rows = torch.arange(m, device=group_end_offsets.device, dtype=group_end_offsets.dtype)
+    owner = torch.searchsorted(group_end_offsets, rows, right=True)
+    groups = group_end_offsets.shape[0]
+    sizes = torch.bincount(owner, minlength=groups + 1).tolist()
+    return torch.argsort(owner, stable=True).split(sizes)[:groups]
+
+
 @triton.jit
 def expert_of_row(ends_ptr, row, E, E_POW2: tl.constexpr):
     """Expert owning ``row``: the number of groups that end at or before it (``E`` if past the last)."""

@@ -78,6 +78,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     interpreting,
     launch,
     persistent_grid,
+    rows_by_group,
     set_tma_workspace_allocator,
     sm_count,
 )
@@ -1068,12 +1069,6 @@ launch_grouped_gemm_fp8_blockwise = sm90_or(
 )
 
 
-def _expert_of_rows(group_end_offsets: torch.Tensor, m: int) -> torch.Tensor:
-    """Expert of each row (``E`` for rows at or past the last group end), without a host sync."""
-    rows = torch.arange(m, device=group_end_offsets.device, dtype=torch.int32)
-    return torch.searchsorted(group_end_offsets, rows, right=True)
-
-
 def grouped_gemm_fp8_blockwise_reference(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -1097,11 +1092,9 @@ def grouped_gemm_fp8_blockwise_reference(
         b, b_scale = b.transpose(1, 2), b_scale.transpose(1, 2)
     a32 = dequantize_rows_reference(a, a_scale, BLOCK)
     b32 = b.float() * b_scale.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
-    owner = _expert_of_rows(group_end_offsets, a.shape[0])
     out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
-    for e in range(b.shape[0]):
-        rows = (owner == e)[:, None]
-        out = torch.where(rows, a32 @ b32[e].T, out)
+    for e, rows in enumerate(rows_by_group(group_end_offsets, a.shape[0])):
+        out[rows] = a32[rows] @ b32[e].T
     return out.to(out_dtype)
 
 

@@ -79,6 +79,7 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     interpreting,
     launch,
     persistent_grid,
+    rows_by_group,
     set_tma_workspace_allocator,
     sm_count,
 )
@@ -732,19 +733,13 @@ def grouped_gemm_fp8_wgrad_reference(
     Rows of each operand outside every group (at or past the last end) are masked out, so they are
     never part of any expert's sum.
     """
-    m = a_t.shape[1]
     if b_tile_scales:
         b_t_scale = b_t_scale[:, ::BLOCK].repeat_interleave(BLOCK, dim=1)
     a32 = _dequantize_columns(a_t, a_t_scale)
     b32 = _dequantize_columns(b_t, b_t_scale)
-    rows = torch.arange(m, device=a_t.device, dtype=torch.int32)
-    owner = torch.searchsorted(group_end_offsets, rows, right=True)
-    out = [
-        # zero the other rows first, so NaN/inf outside the group cannot leak in through 0 * inf
-        torch.where((owner == e)[None, :], a32, 0.0) @ torch.where((owner == e)[None, :], b32, 0.0).T
-        for e in range(group_end_offsets.shape[0])
-    ]
-    total = torch.stack(out)
+    total = a32.new_zeros(group_end_offsets.shape[0], a32.shape[0], b32.shape[0])
+    for e, rows in enumerate(rows_by_group(group_end_offsets, a_t.shape[1])):
+        total[e] = a32[:, rows] @ b32[:, rows].T  # only the group's rows: NaN elsewhere never leaks in
     if accumulate_into is not None:
         total = total + accumulate_into.float()
     if n_chunks > 1:
