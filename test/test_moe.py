@@ -9,14 +9,26 @@ torch.compile(fullgraph=True); on a GPU the same with the Triton kernels and no 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
 from conftest import DEVICE
-from fp8_helpers import assert_accumulated, assert_sizes_compile_nothing_new, make_routing, rel_error, sqnr_db
+from fp8_helpers import (
+    GEMM_TOLERANCE,
+    assert_accumulated,
+    assert_fp8_close,
+    assert_sizes_compile_nothing_new,
+    make_routing,
+    rel_error,
+    sqnr_db,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
 from fp8flow_ao.moe import FP8FlowMoE, _routed_experts, convert_moe_layer, fp8flow_routed_experts
@@ -74,6 +86,24 @@ def make_moe(
     moe.expert_bias = torch.tensor(expert_bias or [0.0] * experts, device=device)  # fp32 routing bias
     moe.tokens_per_expert = torch.zeros(experts, device=device)
     return moe
+
+
+@contextlib.contextmanager
+def nan_filled_allocations() -> Iterator[None]:
+    """Every fresh allocation filled (NaN; the integer maximum), through ``torch.use_deterministic_algorithms``
+    (warn only) and ``fill_uninitialized_memory``; both settings restored after."""
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    deterministic, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def run_step(moe: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -607,18 +637,8 @@ def test_recompute_matches_stored_with_fp32_weights_under_autocast(x_dtype):
 
     # NaN in every fresh allocation, so a kernel that reads memory nothing wrote fails here every time
     # instead of now and then (the GPU NaN came in 3 of 5 recompute runs, in both eager and compiled).
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    deterministic, warn_only = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
+    with nan_filled_allocations():
         stored, recomputed = step(False), step(True)
-    finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
     for name, a, b in zip(("out", "x", "probs", "w1", "w2", "w3"), stored, recomputed, strict=True):
         assert torch.isfinite(a).all() and torch.isfinite(b).all(), name
         assert torch.equal(a, b), name
@@ -906,6 +926,84 @@ def test_gpu_routed_experts_match_the_cpu_path_row_by_row(seed):
     errors = routed_errors(gpu, cpu)
     bounds = {"out": 0.07, "x": 0.07, "w1": 0.05, "w2": 0.05, "w3": 0.05, "probs": 0.005}
     assert all(errors[n] < bound for n, bound in bounds.items()), errors
+
+
+class _ReplayOnTheCpu(TorchDispatchMode):
+    """Runs each ``fp8flow`` op as called (the GPU kernels) and again on CPU copies of its arguments (the op's CPU
+    kernel: its torch reference); :attr:`calls` keeps, per call, the op's name and both results as
+    ``(outputs, arguments)`` on the CPU (an op that writes into an argument is compared on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, object, object]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace != "fp8flow":
+            return func(*args, **kwargs)
+
+        def to_cpu(t):
+            return t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t
+
+        cpu_args, cpu_kwargs = tree_map(to_cpu, (args, kwargs))
+        out = func(*args, **kwargs)
+        want = (func(*cpu_args, **cpu_kwargs), cpu_args, cpu_kwargs)
+        self.calls.append((func._opname, tree_map(to_cpu, (out, args, kwargs)), want))
+        return out
+
+
+def _written(t: torch.Tensor) -> torch.Tensor:
+    """Where a kernel wrote ``t``, with every fresh allocation filled (``fill_uninitialized_memory``: NaN, or the
+    integer maximum): the elements that are not the fill."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8) & 0x7F != 0x7F
+    if t.is_floating_point():
+        return ~torch.isnan(t)
+    return t != torch.iinfo(t.dtype).max
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [1, 3, 4, 8])
+def test_gpu_every_op_of_a_random_step_matches_its_reference(seed):
+    """Each op call of a GPU routed step (:func:`_random_routed_case`) replayed on the CPU on the same inputs:
+    every element a kernel writes equals its reference's as the op's own tests require
+    (:func:`_assert_written_matches`: bit for bit but for the GEMMs' sums and the SwiGLU ops' ``exp``). Fresh
+    allocations hold NaN, so only what a kernel wrote is compared (some outputs have rows no later op reads, left
+    unwritten); what later ops read is checked by :func:`test_gpu_routed_experts_match_the_cpu_path_row_by_row`."""
+    case = _random_routed_case(seed)
+    replay = _ReplayOnTheCpu()
+    with nan_filled_allocations(), replay:
+        _routed_step(case, "cuda")
+    assert len(replay.calls) >= 8, [name for name, _, _ in replay.calls]
+    for i, (name, got, want) in enumerate(replay.calls):
+        outputs = [t for t in tree_leaves(got[0]) if isinstance(t, torch.Tensor)]
+        assert any(_written(t).any() for t in outputs), (i, name, "wrote nothing: nothing was compared")
+        pairs = zip(tree_leaves(got), tree_leaves(want), strict=True)
+        for j, (g, w) in enumerate(p for p in pairs if isinstance(p[0], torch.Tensor)):
+            assert g.shape == w.shape and g.dtype == w.dtype, (i, name, j)
+            _assert_written_matches(name, g, w, (i, name, j, tuple(g.shape)))
+
+
+def _assert_written_matches(name: str, got: torch.Tensor, want: torch.Tensor, where: tuple) -> None:
+    """What a kernel wrote against its reference: bit for bit, except where the op's own tests allow less --
+    the GEMMs' float outputs (accumulation order: row by row within the GEMM tolerance) and the SwiGLU ops,
+    whose ``exp`` rounds differently on the GPU (``test_swiglu_quant.py``: FP8 data >= 99.9% bit-exact and one
+    E4M3 step off elsewhere; ``grad_probs`` to 1e-5)."""
+    written = _written(got)
+    fp8 = got.dtype == torch.float8_e4m3fn
+    if name.startswith("grouped_gemm") and got.is_floating_point() and not fp8:
+        rows = written.reshape(-1, got.shape[-1]).all(dim=1)
+        g, w = got.reshape(-1, got.shape[-1])[rows], want.reshape(-1, got.shape[-1])[rows]
+        assert rel_error(g, w) < GEMM_TOLERANCE[got.dtype], (*where, rel_error(g, w))
+    elif name.startswith("swiglu") and fp8:
+        assert_fp8_close(got[written], want[written], 0.999, str(where))
+    elif name.startswith("swiglu") and got.dim() == 1:  # grad_probs
+        g, w = got[written], want[written]
+        atol = 1e-6 * float(w.abs().max()) if w.numel() else 0.0
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=atol, msg=str(where))
+    else:
+        bits = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)
+        assert torch.equal(bits(got)[written], bits(want)[written]), where
 
 
 def test_weight_gradients_leave_the_function_contiguous():

@@ -140,19 +140,18 @@ def autotuned(
     return triton.autotune(configs=list(configs), key=AUTOTUNE_KEY, restore_value=list(restore_value))
 
 
-def rows_by_group(group_end_offsets: torch.Tensor, m: int) -> tuple[torch.Tensor, ...]:
-    """The torch references' split of ``m`` rows into the ``E`` groups: per group, the indices of its rows
-    (``torch.searchsorted(ends, row, right=True)`` owns a row; rows at or past the last end belong to none).
+def group_bounds(group_end_offsets: torch.Tensor, m: int) -> list[tuple[int, int]]:
+    """The torch references' split of ``m`` rows into the ``E`` groups: each group's ``(start, end)`` rows, a
+    group starting where the previous one ends (ends clamped to ``[0, m]`` and made non-decreasing; rows at or
+    past the last end belong to none).
 
     Each reference multiplies a group's rows alone, so it costs its groups' FLOPs rather than ``E`` times the
-    whole ``m`` (the CPU path's training step). The group sizes are read on the host: a sync for a CUDA tensor,
-    where only the tests call a reference (the ops' CUDA kernels are the launchers).
+    whole ``m`` (the CPU path's training step), and slices rather than gathers (a gather's scatter back is slow
+    under ``torch.use_deterministic_algorithms``). The ends are read on the host: a sync for a CUDA tensor, where
+    only the tests call a reference (the ops' CUDA kernels are the launchers).
     """
-    rows = torch.arange(m, device=group_end_offsets.device, dtype=group_end_offsets.dtype)
-    owner = torch.searchsorted(group_end_offsets, rows, right=True)
-    groups = group_end_offsets.shape[0]
-    sizes = torch.bincount(owner, minlength=groups + 1).tolist()
-    return torch.argsort(owner, stable=True).split(sizes)[:groups]
+    ends = group_end_offsets.long().clamp(0, m).cummax(0).values.tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 @triton.jit

@@ -73,12 +73,12 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     check_tma_operand,
     expert_of_row,
     gemm_config,
+    group_bounds,
     group_rows,
     grouped_tile,
     interpreting,
     launch,
     persistent_grid,
-    rows_by_group,
     set_tma_workspace_allocator,
     sm_count,
 )
@@ -1093,8 +1093,8 @@ def grouped_gemm_fp8_blockwise_reference(
     a32 = dequantize_rows_reference(a, a_scale, BLOCK)
     b32 = b.float() * b_scale.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
     out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
-    for e, rows in enumerate(rows_by_group(group_end_offsets, a.shape[0])):
-        out[rows] = a32[rows] @ b32[e].T
+    for e, (start, end) in enumerate(group_bounds(group_end_offsets, a.shape[0])):
+        out[start:end] = a32[start:end] @ b32[e].T
     return out.to(out_dtype)
 
 

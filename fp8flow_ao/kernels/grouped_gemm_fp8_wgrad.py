@@ -74,12 +74,12 @@ from fp8flow_ao.kernels._grouped_gemm_common import (
     autotuned,
     check_tma_operand,
     gemm_config,
+    group_bounds,
     group_rows,
     grouped_tile,
     interpreting,
     launch,
     persistent_grid,
-    rows_by_group,
     set_tma_workspace_allocator,
     sm_count,
 )
@@ -738,8 +738,8 @@ def grouped_gemm_fp8_wgrad_reference(
     a32 = _dequantize_columns(a_t, a_t_scale)
     b32 = _dequantize_columns(b_t, b_t_scale)
     total = a32.new_zeros(group_end_offsets.shape[0], a32.shape[0], b32.shape[0])
-    for e, rows in enumerate(rows_by_group(group_end_offsets, a_t.shape[1])):
-        total[e] = a32[:, rows] @ b32[:, rows].T  # only the group's rows: NaN elsewhere never leaks in
+    for e, (start, end) in enumerate(group_bounds(group_end_offsets, a_t.shape[1])):
+        total[e] = a32[:, start:end] @ b32[:, start:end].T  # only the group's rows: NaN elsewhere never leaks in
     if accumulate_into is not None:
         total = total + accumulate_into.float()
     if n_chunks > 1:
