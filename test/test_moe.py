@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fp8flow_ao.debug import QUANTIZING_GEMMS, FP8FlowOpCounter
+from fp8flow_ao.demo import deterministic
 from fp8flow_ao.moe import FP8FlowMoE, _routed_experts, convert_moe_layer, fp8flow_routed_experts
 from fp8flow_ao.torchtitan.cpu import integer_histc
 from fp8flow_ao.weight_cache import step_cached_weights
@@ -90,19 +91,14 @@ def make_moe(
 
 @contextlib.contextmanager
 def nan_filled_allocations() -> Iterator[None]:
-    """Every fresh allocation filled (NaN; the integer maximum), through ``torch.use_deterministic_algorithms``
-    (warn only) and ``fill_uninitialized_memory``; both settings restored after."""
+    """Every fresh allocation filled (NaN; the integer maximum): ``fill_uninitialized_memory``, which acts under
+    deterministic algorithms (the demo's :func:`~fp8flow_ao.demo.deterministic`); both settings restored after."""
     fill = torch.utils.deterministic.fill_uninitialized_memory
-    deterministic, warn_only = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     try:
-        yield
+        with deterministic(True):
+            yield
     finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
