@@ -506,9 +506,11 @@ def torchtitan_compile_globals(monkeypatch: pytest.MonkeyPatch):
     from torchtitan.models.moe import moe as moe_module
 
     monkeypatch.setattr(moe_module, "_run_experts_grouped_mm", moe_module._run_experts_grouped_mm)
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", torch._dynamo.config.capture_scalar_outputs)
     torch._dynamo.reset()
-    yield
+    # The config's own patch, not monkeypatch: pytest 9.2's undo deletes an attribute that was not in the
+    # module's __dict__, which hides the config entry for every later test ("... does not exist").
+    with torch._dynamo.config.patch(capture_scalar_outputs=torch._dynamo.config.capture_scalar_outputs):
+        yield
     torch._dynamo.reset()
 
 
