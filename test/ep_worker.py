@@ -1,8 +1,9 @@
 """One rank of the multi-process tests (``test_expert_parallel.py``): run the cases, save the results.
 
 Started by ``torch.multiprocessing.spawn`` (gloo on the CPU, NCCL on GPUs). Inputs come from the
-parent as a file (the full token batch and the full expert weights); rank ``r`` takes tokens
-``[r * T, (r + 1) * T)`` and experts ``[r * L, (r + 1) * L)``. Nothing is compared here.
+parent as a file (the full token batch and the full expert weights); rank ``r`` takes its tokens (``[r * T,
+(r + 1) * T)``, or the ``r``-th of a routed case's ``token_splits``) and experts ``[r * L, (r + 1) * L)``. Nothing
+is compared here.
 """
 
 from __future__ import annotations
@@ -26,22 +27,16 @@ def _local_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def run_routed_case(case: dict, rank: int, world: int, device: str) -> dict:
-    """The functional routed path with ``ep_group``: this rank's tokens, this rank's experts."""
-    x = _local_slice(case["x"], rank, world).to(device, copy=True).requires_grad_()
-    probs = _local_slice(case["probs"], rank, world).to(device, copy=True).requires_grad_()
-    indices = _local_slice(case["indices"], rank, world).to(device)
+    """The functional routed path with ``ep_group``: this rank's tokens (``token_splits[rank]`` of them), this
+    rank's experts."""
+    x, probs, indices, grad = (
+        case[n].split(case["token_splits"])[rank].to(device) for n in ("x", "probs", "indices", "grad")
+    )
+    x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
     weights = [_local_slice(case[n], rank, world).to(device, copy=True).requires_grad_() for n in ("w1", "w2", "w3")]
     with FP8FlowOpCounter() as counter:
-        out = fp8flow_routed_experts(
-            x,
-            probs,
-            indices,
-            *weights,
-            recompute_experts=case["recompute"],
-            ep_group=dist.group.WORLD,
-            backward=case["backward"],
-        )
-        out.backward(_local_slice(case["grad"], rank, world).to(device))
+        out = fp8flow_routed_experts(x, probs, indices, *weights, ep_group=dist.group.WORLD, **case["options"])
+        out.backward(grad)
     grads = {n: w.grad for n, w in zip(("w1", "w2", "w3"), weights, strict=True)}
     return {"out": out, "x": x.grad, "probs": probs.grad, "casts": counter.activation_casts} | grads
 

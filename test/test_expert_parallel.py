@@ -55,8 +55,50 @@ def _routed_case(seed: int, experts: int, top_k: int, route: str, recompute: boo
         "w1": weight(experts, HIDDEN, DIM),
         "w2": weight(experts, DIM, HIDDEN),
         "w3": weight(experts, HIDDEN, DIM),
-        "recompute": recompute,
-        "backward": backward,
+        "token_splits": [TOKENS_PER_RANK] * WORLD,
+        "options": {"recompute_experts": recompute, "backward": backward},
+    }
+
+
+def _random_ep_case(seed: int, gpu_sized: bool) -> dict:
+    """A routed case no other test names, drawn from ``seed``: widths, expert count, top-k, and a different token
+    count on each rank (every fourth seed none on one rank); a skewed router that leaves some experts without
+    rows; bf16 or fp32 tokens and weights; the routed options (recompute, score placement, weight cache, FC1's
+    dgrad in BF16) drawn too. GPU-sized: up to 1536 wide, 32 experts, ~1500 tokens a rank."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(high: int) -> int:
+        return int(torch.randint(1, high + 1, (1,), generator=g))
+
+    dim, hidden = (128 * draw(12), 128 * draw(12)) if gpu_sized else (128 * draw(3), 128 * draw(2))
+    experts = WORLD * draw(16 if gpu_sized else 4)
+    top_k = draw(min(experts, 8))
+    token_splits = [draw(1500 if gpu_sized else 40) - 1 for _ in range(WORLD)]
+    if seed % 4 == 0:
+        token_splits[seed // 4 % WORLD] = 0
+    tokens = sum(token_splits)
+    popularity = torch.rand(experts, generator=g) ** 4 * (torch.rand(experts, generator=g) > 0.25) + 1e-6
+    indices = torch.multinomial(popularity.expand(tokens, -1), top_k, generator=g) if tokens else torch.zeros(0, top_k)
+    x_dtype, w_dtype = (torch.float32 if draw(4) == 1 else torch.bfloat16 for _ in range(2))
+
+    def randn(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    return {
+        "x": randn(tokens, dim, dtype=x_dtype) * torch.logspace(-1, 1, tokens)[:, None].to(x_dtype),
+        "probs": torch.rand(tokens, top_k, generator=g),
+        "indices": indices.long(),
+        "grad": randn(tokens, dim, dtype=x_dtype),
+        "w1": randn(experts, hidden, dim, scale=dim**-0.5, dtype=w_dtype),
+        "w2": randn(experts, dim, hidden, scale=hidden**-0.5, dtype=w_dtype),
+        "w3": randn(experts, hidden, dim, scale=dim**-0.5, dtype=w_dtype),
+        "token_splits": token_splits,
+        "options": {
+            "recompute_experts": draw(2) == 1,
+            "score_before_experts": draw(3) == 1,
+            "weight_cache": ("off", "forward")[draw(2) - 1],
+            "backward": ("fp8", "bf16_fc1_dgrad")[int(draw(4) == 1)],
+        },
     }
 
 
@@ -104,9 +146,7 @@ def _single_process_routed(case: dict, device: str) -> dict:
     # copy=True: never set requires_grad on the shared CASES tensors (the NCCL test saves them for its ranks)
     x, probs = case["x"].to(device, copy=True).requires_grad_(), case["probs"].to(device, copy=True).requires_grad_()
     weights = [case[n].to(device, copy=True).requires_grad_() for n in ("w1", "w2", "w3")]
-    out = fp8flow_routed_experts(
-        x, probs, case["indices"].to(device), *weights, recompute_experts=case["recompute"], backward=case["backward"]
-    )
+    out = fp8flow_routed_experts(x, probs, case["indices"].to(device), *weights, **case["options"])
     out.backward(case["grad"].to(device))
     grads = {n: w.grad.cpu() for n, w in zip(("w1", "w2", "w3"), weights, strict=True)}
     return {"out": out.detach().cpu(), "x": x.grad.cpu(), "probs": probs.grad.cpu()} | grads
@@ -120,21 +160,24 @@ def _single_process_layer(case: dict, device: str) -> dict:
     return {k: result[k].cpu().view(-1, DIM) for k in ("out", "x")} | grads
 
 
-def _run_ranks(tmp_path, device: str) -> list[dict]:
+def _run_ranks(tmp_path, device: str, cases: dict) -> list[dict]:
+    """Run ``cases`` on WORLD spawned ranks (ep_worker.py); each rank's results."""
     import ep_worker
 
-    torch.save(CASES | {"dcp": _dcp_case(tmp_path / "dcp")}, tmp_path / "cases.pt")
+    torch.save(cases, tmp_path / "cases.pt")
     torch.multiprocessing.spawn(ep_worker.worker, args=(WORLD, device, str(tmp_path)), nprocs=WORLD, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
 
-def _split(t: torch.Tensor, rank: int) -> torch.Tensor:
-    size = t.shape[0] // WORLD
-    return t[rank * size : (rank + 1) * size]
+def _split(t: torch.Tensor, rank: int, sizes: list[int] | None = None) -> torch.Tensor:
+    """Rank ``rank``'s part of ``t`` along dim 0: ``sizes`` rows each, else equal parts."""
+    return t.split(sizes or t.shape[0] // WORLD)[rank]
 
 
-# Split over ranks along dim 0: token-major results and the experts' weights and their gradients.
-_BY_RANK = ("out", "x", "probs", "w1", "w2", "w3", "experts.w1", "experts.w2", "experts.w3")
+# Split over ranks along dim 0: token-major results (by the case's token_splits where it has them) and the
+# experts' weights and their gradients (equal parts).
+_BY_TOKEN = ("out", "x", "probs")
+_BY_RANK = (*_BY_TOKEN, "w1", "w2", "w3", "experts.w1", "experts.w2", "experts.w3")
 
 
 def _check_fsdp(ranks: list[dict]) -> None:
@@ -160,45 +203,71 @@ def _check_fsdp(ranks: list[dict]) -> None:
     assert not torch.equal(ranks[0][fp8]["out@0"], ranks[0][fp8]["out@1"]), "the optimizer step must change the weights"
 
 
+def _check_case(name: str, case: dict, ranks: list[dict], device: str) -> dict:
+    """Each rank's results of a routed or layer case against the one-process run (returned)."""
+    ref = (_single_process_layer if "make" in case else _single_process_routed)(case, device)
+    for key, expected in ref.items():
+        if key in _BY_RANK:
+            sizes = case.get("token_splits") if key in _BY_TOKEN else None
+            for rank, results in enumerate(ranks):
+                got = results[name][key]
+                assert torch.equal(got, _split(expected, rank, sizes)), f"{name}: {key} differs on rank {rank}"
+        else:  # replicated BF16 parameters (router, shared expert): each rank holds its tokens' share,
+            # so the sum of two rounded partials meets one rounded total within a few BF16 ulps.
+            total = sum(results[name][key].float() for results in ranks)
+            atol = 2**-6 * expected.float().abs().max().item()
+            torch.testing.assert_close(total, expected.float(), rtol=0, atol=atol, msg=f"{name}: {key}")
+    if "make" not in case:
+        assert [results[name]["casts"] for results in ranks] == [2] * WORLD, f"{name}: explicit casts per rank"
+    else:  # torchtitan's ExpertParallel: FP8 dispatch (no hooks) on the converted layer only
+        assert all(results[name]["fp8flow_hooks"] == 0 for results in ranks)
+        assert all(results[name]["bf16_hooks"] == 2 for results in ranks)
+    return ref
+
+
 def _check_against_single_process(ranks: list[dict], device: str) -> None:
     _check_fsdp(ranks)
     _check_dcp(ranks)
     for name, case in CASES.items():
         if "fsdp_fp8_all_gather" in case:
             continue
-        ref = (_single_process_layer if "make" in case else _single_process_routed)(case, device)
-        for key, expected in ref.items():
-            if key in _BY_RANK:
-                for rank, results in enumerate(ranks):
-                    got = results[name][key]
-                    assert torch.equal(got, _split(expected, rank)), f"{name}: {key} differs on rank {rank}"
-            else:  # replicated BF16 parameters (router, shared expert): each rank holds its tokens' share,
-                # so the sum of two rounded partials meets one rounded total within a few BF16 ulps.
-                total = sum(results[name][key].float() for results in ranks)
-                atol = 2**-6 * expected.float().abs().max().item()
-                torch.testing.assert_close(total, expected.float(), rtol=0, atol=atol, msg=f"{name}: {key}")
+        ref = _check_case(name, case, ranks, device)
         if name == "layer":  # FSDP2's first step sees the same weights: the one-process layer's tokens
             for rank, results in enumerate(ranks):
                 for key in ("out", "x"):
                     got = results["fsdp_fp8_gather=True"][f"{key}@0"]
                     assert torch.equal(got, _split(ref[key], rank)), f"FSDP2: {key} differs on rank {rank}"
-        if "make" not in case:
-            assert [results[name]["casts"] for results in ranks] == [2, 2], f"{name}: explicit casts per rank"
-        else:  # torchtitan's ExpertParallel: FP8 dispatch (no hooks) on the converted layer only
-            assert all(results[name]["fp8flow_hooks"] == 0 for results in ranks)
-            assert all(results[name]["bf16_hooks"] == 2 for results in ranks)
     skewed_l2 = CASES["skewed_recompute"]["indices"].unique().numel()
     assert skewed_l2 < 8, "the skewed case must leave experts empty"
 
 
+def _all_cases(tmp_path) -> dict:
+    return CASES | {"dcp": _dcp_case(tmp_path / "dcp")}
+
+
 def test_two_ranks_gloo_match_single_process(tmp_path):
-    _check_against_single_process(_run_ranks(tmp_path, "cpu"), "cpu")
+    _check_against_single_process(_run_ranks(tmp_path, "cpu", _all_cases(tmp_path)), "cpu")
+
+
+_TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_TWO_GPUS)])
+def test_two_ranks_match_single_process_at_random_shapes(tmp_path, device):
+    """Bit for bit, at shapes, routings, per-rank token counts and options no other case names
+    (:func:`_random_ep_case`): 3 seeds on gloo (the references: a rank without tokens, fp32 tokens at top-6 over
+    uneven ranks, FC1's dgrad in BF16), 10 GPU-sized ones on NCCL (the kernels)."""
+    seeds = (0, 5, 6) if device == "cpu" else range(300, 310)
+    cases = {f"seed{s}": _random_ep_case(s, gpu_sized=device == "cuda") for s in seeds}
+    ranks = _run_ranks(tmp_path, device, cases)
+    for name, case in cases.items():
+        _check_case(name, case, ranks, device)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 def test_two_ranks_nccl_match_single_gpu(tmp_path):
-    _check_against_single_process(_run_ranks(tmp_path, "cuda"), "cuda")
+    _check_against_single_process(_run_ranks(tmp_path, "cuda", _all_cases(tmp_path)), "cuda")
 
 
 def test_shard_experts_errors():
