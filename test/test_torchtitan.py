@@ -146,6 +146,29 @@ def test_integer_histc_on_cpu_matches_bincount_and_is_restored() -> None:
         torch.histc(ids, bins=8, min=0, max=8)
 
 
+def test_compiling_inside_integer_histc_leaves_torch_histc_compilable() -> None:
+    """Dynamo's rule map, built at a process's first compile on torch 2.11, once got built inside the block and
+    held the wrapper instead of ``torch.histc``: every later compile that reached ``torch.histc`` failed for the
+    rest of the process (on an H200, every whole-layer compile test after the compiled GPU demo)."""
+    from torch._dynamo import trace_rules
+
+    def counts(ids: torch.Tensor) -> torch.Tensor:
+        return torch.histc(ids, bins=4, min=0, max=4)
+
+    ids = torch.tensor([0, 1, 1, 3])
+    trace_rules.get_torch_obj_rule_map.cache_clear()  # as a torch 2.11 process starts
+    try:
+        with cpu.integer_histc():
+            inside = torch.compile(counts, fullgraph=True, backend="eager")(ids)
+        torch._dynamo.reset()
+        after = torch.compile(counts, fullgraph=True, backend="eager")(ids.float())
+    finally:
+        torch._dynamo.reset()
+        trace_rules.get_torch_obj_rule_map.cache_clear()
+        trace_rules.get_torch_obj_rule_map()  # rebuilt with torch.histc itself for the tests that follow
+    assert inside.tolist() == [1, 2, 0, 1] and after.tolist() == [1.0, 2.0, 0.0, 1.0]
+
+
 def test_torchtitan_on_cpu_rebinds_device_names_and_restores_them() -> None:
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as utils

@@ -36,7 +36,17 @@ import torch
 
 @contextlib.contextmanager
 def integer_histc() -> Iterator[None]:
-    """Within the block, ``torch.histc`` accepts integer CPU tensors (result in the input's dtype)."""
+    """Within the block, ``torch.histc`` accepts integer CPU tensors (result in the input's dtype).
+
+    Dynamo knows each torch function by the object its name resolves to when it first builds its rule map
+    (once per process; torch 2.11 at the first compile, 2.13 at import). Built inside this block, the map
+    would hold the wrapper instead of ``torch.histc``, and every later compile that reached ``torch.histc``
+    would fail ("marked as skipped") for the rest of the process, in the block or not: the map is built
+    before the name is rebound.
+    """
+    from torch._dynamo import trace_rules
+
+    trace_rules.get_torch_obj_rule_map()
     original = torch.histc
 
     def histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
