@@ -98,12 +98,38 @@ if INTERPRETING:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _test_shard()  # a bad FP8FLOW_TEST_SHARD stops the run before anything is collected
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "sm90: needs compute capability 9.0 or newer (skipped elsewhere)")
     config.addinivalue_line("markers", "hopper: needs exactly a Hopper GPU, compute capability 9.x (skipped elsewhere)")
 
 
+def _test_shard() -> tuple[int, int] | None:
+    """``(i, N)`` from ``FP8FLOW_TEST_SHARD=i/N`` (1 <= i <= N), ``None`` where it is unset."""
+    spec = os.environ.get("FP8FLOW_TEST_SHARD")
+    if not spec:
+        return None
+    try:
+        i, n = (int(part) for part in spec.split("/"))
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"FP8FLOW_TEST_SHARD must be i/N with 1 <= i <= N, got {spec!r}")
+    return i, n
+
+
+def shard_members(count: int, i: int, n: int) -> list[bool]:
+    """Which of ``count`` collected tests the i-th of N consecutive slices holds."""
+    return [k * n // count == i - 1 for k in range(count)]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The whole suite on a GPU takes longer than one device call: FP8FLOW_TEST_SHARD=i/N runs the i-th of N
+    # consecutive slices of the collected tests (a module's tests stay together: its fixtures are built once).
+    if items and (shard := _test_shard()):
+        in_slice = shard_members(len(items), *shard)
+        config.hook.pytest_deselected(items=[item for item, keep in zip(items, in_slice, strict=True) if not keep])
+        items[:] = [item for item, keep in zip(items, in_slice, strict=True) if keep]
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_sm90 = pytest.mark.skip(reason="needs compute capability 9.0 or newer")
     skip_hopper = pytest.mark.skip(reason="needs a Hopper GPU (compute capability 9.x)")
