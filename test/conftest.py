@@ -123,9 +123,10 @@ def shard_members(count: int, i: int, n: int) -> list[bool]:
     return [k * n // count == i - 1 for k in range(count)]
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselected theirs: the slices split the selected tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The whole suite on a GPU takes longer than one device call: FP8FLOW_TEST_SHARD=i/N runs the i-th of N
-    # consecutive slices of the collected tests (a module's tests stay together: its fixtures are built once).
+    # consecutive slices of the selected tests (a module's tests stay together: its fixtures are built once).
     if items and (shard := _test_shard()):
         in_slice = shard_members(len(items), *shard)
         config.hook.pytest_deselected(items=[item for item, keep in zip(items, in_slice, strict=True) if not keep])

@@ -40,19 +40,25 @@ def test_bad_shard_spec(monkeypatch, spec):
         _test_shard()
 
 
-def _collect(shard: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, FP8FLOW_TEST_SHARD=shard)
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "test_pad_group_offsets.py"],
-        cwd=TEST_DIR, env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+def _collect(shard: str | None) -> tuple[int, list[str]]:
+    """Exit code and test ids of ``pytest --collect-only -k kernel_matches`` over one file (``FP8FLOW_TEST_SHARD``
+    set to ``shard``, or unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "FP8FLOW_TEST_SHARD"} | (
+        {"FP8FLOW_TEST_SHARD": shard} if shard else {}
+    )
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "test_pad_group_offsets.py", "-k", "kernel_matches"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *args], cwd=TEST_DIR, env=env, capture_output=True, text=True, check=False
+    )
+    return done.returncode, [line for line in done.stdout.splitlines() if "::" in line]
 
 
-def test_pytest_runs_one_slice_and_stops_on_a_bad_spec():
-    """End to end: pytest keeps the slice (and says how many it deselected); a bad value stops before collecting."""
-    done = _collect("2/3")
-    tests = [line for line in done.stdout.splitlines() if "::" in line]
-    total = len(tests) + int(done.stdout.split("(")[1].split()[0])  # "k/n tests collected (m deselected)"
-    assert done.returncode == 0 and tests and len(tests) == sum(shard_members(total, 2, 3))
-    bad = _collect("4/3")
-    assert bad.returncode == pytest.ExitCode.USAGE_ERROR and "::" not in bad.stdout
+def test_pytest_runs_one_slice_of_the_selected_tests_and_stops_on_a_bad_spec():
+    """End to end: the slices split the tests ``-k`` selected, not every test of the file; a bad value stops pytest
+    before it collects anything."""
+    _, selected = _collect(None)
+    code, middle = _collect("2/3")
+    assert code == 0 and len(selected) > len(middle) > 0
+    assert middle == [t for t, keep in zip(selected, shard_members(len(selected), 2, 3), strict=True) if keep]
+    code, tests = _collect("4/3")
+    assert code == pytest.ExitCode.USAGE_ERROR and not tests
