@@ -113,9 +113,9 @@ def build_models(preset: Preset, device: torch.device, seed: int, fp8_config: An
 
 
 def compile_blocks(model: nn.Module) -> None:
-    """``torch.compile`` each transformer block, as torchtitan does (the repeated structure compiles once)."""
-    # torchtitan sets this for token-choice MoE: it avoids graph breaks on data-dependent scalars.
-    torch._dynamo.config.capture_scalar_outputs = True
+    """``torch.compile`` each transformer block, as torchtitan does (the repeated structure compiles once). The
+    blocks compile at their first call, which :func:`run` makes with torchtitan's dynamo setting for token-choice
+    MoE (``capture_scalar_outputs``: no graph breaks on data-dependent scalars) for the training only."""
     for name, block in model.layers.named_children():
         model.layers.register_module(name, torch.compile(block))
 
@@ -358,7 +358,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     batches = TokenBatches(tokens, preset.batch_size, preset.seq_len, seed=args.seed)
     tokens_per_step = preset.batch_size * preset.seq_len
     # torchtitan's router counts int64 expert ids with torch.histc, which only CUDA implements.
-    with integer_histc(), deterministic(deterministic_):
+    # capture_scalar_outputs for the compiled blocks, set for this run only: the process's later compiles keep theirs.
+    with integer_histc(), deterministic(deterministic_), torch._dynamo.config.patch(capture_scalar_outputs=True):
         models = build_models(preset, device, args.seed, fp8_config)
         if compile_:
             for m in models.values():

@@ -78,6 +78,23 @@ def test_arguments_and_presets() -> None:
             demo.run(["--device", "cuda", "--steps", "1"])
 
 
+def test_compiled_run_sets_capture_scalar_outputs_for_its_training_only(tmp_path: Path, monkeypatch) -> None:
+    """``--compile`` trains with torchtitan's ``capture_scalar_outputs`` and leaves the process's setting as it was
+    (``compile_blocks`` once set it for good). Training is stubbed: the flag is read where the blocks compile."""
+    seen = []
+
+    def train(trainers, batches, steps, tokens_per_step, quiet):
+        seen.append(torch._dynamo.config.capture_scalar_outputs)
+        record = {"step": 1, "loss_bf16": 8.0, "loss_fp8flow": 8.0, "seconds_bf16": 1.0, "seconds_fp8flow": 1.0}
+        return [record | {"rel_gap": 0.0}]
+
+    monkeypatch.setattr(demo, "train_side_by_side", train)
+    with torch._dynamo.config.patch(capture_scalar_outputs=False):
+        log = demo.run([*SMALL[:-3], "--eval-batches", "0", "--compile", "--quiet", "--out", str(tmp_path)])
+        assert log["compile"] is True and seen == [True]
+        assert torch._dynamo.config.capture_scalar_outputs is False
+
+
 def test_summary_statistics() -> None:
     records = [
         {
