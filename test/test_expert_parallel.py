@@ -180,12 +180,13 @@ _BY_TOKEN = ("out", "x", "probs")
 _BY_RANK = (*_BY_TOKEN, "w1", "w2", "w3", "experts.w1", "experts.w2", "experts.w3")
 
 
-def _check_fsdp(ranks: list[dict]) -> None:
+def _check_fsdp(ranks: list[dict], prefix: str = "") -> None:
     """FP8 all-gather of the expert weights changes no bit and quantizes only the shards, never the full weight:
-    outputs, gradients and updated weights over several steps of fused AdamW with gradient clipping."""
+    outputs, gradients and updated weights over several steps of fused AdamW with gradient clipping (the cases
+    ``<prefix>fsdp_fp8_gather=False`` and ``=True``)."""
     import ep_worker
 
-    bf16, fp8 = (f"fsdp_fp8_gather={flag}" for flag in (False, True))
+    bf16, fp8 = (f"{prefix}fsdp_fp8_gather={flag}" for flag in (False, True))
     for results in ranks:
         for key, value in results[bf16].items():
             if key.startswith(("quantize_128x128", "weight_quantizations")):
@@ -252,16 +253,44 @@ def test_two_ranks_gloo_match_single_process(tmp_path):
 _TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")]
 
 
+def _random_fsdp_cases(seed: int, gpu_sized: bool) -> dict:
+    """The FSDP2 pair (BF16 and FP8 all-gather of the expert weights) on a torchtitan layer whose widths, expert
+    count (a multiple of the ranks), top-k, routing bias (some experts never chosen) and token count are drawn."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(high: int) -> int:
+        return int(torch.randint(1, high + 1, (1,), generator=g))
+
+    dim, hidden = (128 * draw(12), 128 * draw(12)) if gpu_sized else (128 * draw(3), 128 * draw(2))
+    experts = WORLD * draw(16 if gpu_sized else 4)
+    bias = torch.where(torch.rand(experts, generator=g) < 0.25, -5.0, torch.rand(experts, generator=g))
+    make = {"dim": dim, "hidden": hidden, "experts": experts, "top_k": draw(min(experts, 6))}
+    tokens = WORLD * draw(600 if gpu_sized else 40)
+    layer = {
+        "make": make | {"expert_bias": bias.tolist()},
+        "x": torch.randn(tokens, dim, generator=g).to(torch.bfloat16),
+        "grad": torch.randn(tokens, dim, generator=g).to(torch.bfloat16),
+    }
+    return {f"seed{seed}:fsdp_fp8_gather={flag}": layer | {"fsdp_fp8_all_gather": flag} for flag in (False, True)}
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_TWO_GPUS)])
 def test_two_ranks_match_single_process_at_random_shapes(tmp_path, device):
     """Bit for bit, at shapes, routings, per-rank token counts and options no other case names
     (:func:`_random_ep_case`): 3 seeds on gloo (the references: a rank without tokens, fp32 tokens at top-6 over
-    uneven ranks, FC1's dgrad in BF16), 10 GPU-sized ones on NCCL (the kernels)."""
+    uneven ranks, FC1's dgrad in BF16), 10 GPU-sized ones on NCCL (the kernels). Beside them FSDP2 at random
+    shapes (:func:`_random_fsdp_cases`): the FP8 all-gather equals the BF16 one over steps with updates."""
     seeds = (0, 5, 6) if device == "cpu" else range(300, 310)
     cases = {f"seed{s}": _random_ep_case(s, gpu_sized=device == "cuda") for s in seeds}
+    fsdp_seeds = (5,) if device == "cpu" else (400, 401, 402)
+    for s in fsdp_seeds:
+        cases |= _random_fsdp_cases(s, gpu_sized=device == "cuda")
     ranks = _run_ranks(tmp_path, device, cases)
     for name, case in cases.items():
-        _check_case(name, case, ranks, device)
+        if "fsdp_fp8_all_gather" not in case:
+            _check_case(name, case, ranks, device)
+    for s in fsdp_seeds:
+        _check_fsdp(ranks, prefix=f"seed{s}:")
 
 
 @pytest.mark.gpu
