@@ -228,16 +228,21 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 RANDOM_GROUPING_SEEDS = [0, 1, *(pytest.param(seed, marks=pytest.mark.gpu) for seed in range(100, 112))]
 
 
+def int_drawer(g: torch.Generator) -> Callable[[int], int]:
+    """``draw(high)``: an int in ``[1, high]`` from ``g`` (the random cases' one way of drawing sizes)."""
+
+    def draw(high: int) -> int:
+        return int(torch.randint(1, high + 1, (1,), generator=g))
+
+    return draw
+
+
 def random_grouping(seed: int) -> tuple[list[int], int, int, int]:
     """A grouping no test names, drawn from ``seed``: (rows per group, K, N, rows past the last end).
 
     Group sizes mix empty groups, single rows, 127/128/129 (a tile's edges) and random sizes; K and N are any
     multiples of 128 (odd ones too: no 256-wide tile). Seeds under 100 are small (the CPU interpreter)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def draw(high: int) -> int:
-        return int(torch.randint(1, high + 1, (1,), generator=g))
-
+    draw = int_drawer(torch.Generator().manual_seed(seed))
     small = seed < 100
     edges = [0, 0, 1, 127, 128, 129]
     counts = []

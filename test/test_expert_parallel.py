@@ -16,11 +16,12 @@ clear errors for bad degrees and unsupported parallelisms.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
 from conftest import DEVICE
-from fp8_helpers import assert_accumulated, assert_sizes_compile_nothing_new, make_routing
+from fp8_helpers import assert_accumulated, assert_sizes_compile_nothing_new, int_drawer, make_routing
 from test_moe import PARAMS, ROUTINGS, _inputs, make_moe, run_step
 
 from fp8flow_ao.debug import FP8FlowOpCounter
@@ -60,18 +61,20 @@ def _routed_case(seed: int, experts: int, top_k: int, route: str, recompute: boo
     }
 
 
+def _draw_layer_dims(draw: Callable[[int], int], gpu_sized: bool) -> tuple[int, int, int]:
+    """``(D, H, E)`` of a random case: widths any multiple of 128 (up to 1536 GPU-sized), E a multiple of WORLD."""
+    dim, hidden = (128 * draw(12), 128 * draw(12)) if gpu_sized else (128 * draw(3), 128 * draw(2))
+    return dim, hidden, WORLD * draw(16 if gpu_sized else 4)
+
+
 def _random_ep_case(seed: int, gpu_sized: bool) -> dict:
     """A routed case no other test names, drawn from ``seed``: widths, expert count, top-k, and a different token
     count on each rank (every fourth seed none on one rank); a skewed router that leaves some experts without
     rows; bf16 or fp32 tokens and weights; the routed options (recompute, score placement, weight cache, FC1's
     dgrad in BF16) drawn too. GPU-sized: up to 1536 wide, 32 experts, ~1500 tokens a rank."""
     g = torch.Generator().manual_seed(seed)
-
-    def draw(high: int) -> int:
-        return int(torch.randint(1, high + 1, (1,), generator=g))
-
-    dim, hidden = (128 * draw(12), 128 * draw(12)) if gpu_sized else (128 * draw(3), 128 * draw(2))
-    experts = WORLD * draw(16 if gpu_sized else 4)
+    draw = int_drawer(g)
+    dim, hidden, experts = _draw_layer_dims(draw, gpu_sized)
     top_k = draw(min(experts, 8))
     token_splits = [draw(1500 if gpu_sized else 40) - 1 for _ in range(WORLD)]
     if seed % 4 == 0:
@@ -257,12 +260,8 @@ def _random_fsdp_cases(seed: int, gpu_sized: bool) -> dict:
     """The FSDP2 pair (BF16 and FP8 all-gather of the expert weights) on a torchtitan layer whose widths, expert
     count (a multiple of the ranks), top-k, routing bias (some experts never chosen) and token count are drawn."""
     g = torch.Generator().manual_seed(seed)
-
-    def draw(high: int) -> int:
-        return int(torch.randint(1, high + 1, (1,), generator=g))
-
-    dim, hidden = (128 * draw(12), 128 * draw(12)) if gpu_sized else (128 * draw(3), 128 * draw(2))
-    experts = WORLD * draw(16 if gpu_sized else 4)
+    draw = int_drawer(g)
+    dim, hidden, experts = _draw_layer_dims(draw, gpu_sized)
     bias = torch.where(torch.rand(experts, generator=g) < 0.25, -5.0, torch.rand(experts, generator=g))
     make = {"dim": dim, "hidden": hidden, "experts": experts, "top_k": draw(min(experts, 6))}
     tokens = WORLD * draw(600 if gpu_sized else 40)

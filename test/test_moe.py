@@ -23,6 +23,7 @@ from fp8_helpers import (
     assert_accumulated,
     assert_fp8_close,
     assert_sizes_compile_nothing_new,
+    int_drawer,
     make_routing,
     rel_error,
     sqnr_db,
@@ -868,10 +869,7 @@ def _random_routed_case(seed: int) -> dict:
     """Widths, expert counts, token counts and a skewed routing no test names, drawn from ``seed`` (some experts
     get no token, some one); the routed function's options drawn too."""
     g = torch.Generator().manual_seed(seed)
-
-    def draw(high: int) -> int:
-        return int(torch.randint(1, high + 1, (1,), generator=g))
-
+    draw = int_drawer(g)
     dim, hidden, experts, tokens = 128 * draw(12), 128 * draw(12), draw(48), draw(3000)
     top_k = draw(min(experts, 8))
     popularity = torch.rand(experts, generator=g) ** 4 * (torch.rand(experts, generator=g) > 0.2)
