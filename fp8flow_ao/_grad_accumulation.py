@@ -29,7 +29,8 @@ def grad_leaf(w: torch.Tensor) -> torch.Tensor | None:
     return dtensor_of_local(w)
 
 
-def _is_dtensor(t: object) -> bool:
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``DTensor``."""
     # Without importing torch.distributed.tensor (~0.9 s): no tensor is a DTensor before that module is loaded.
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
@@ -42,7 +43,7 @@ def dtensor_of_local(w: torch.Tensor) -> torch.Tensor | None:
     if node is None or type(node).__name__ != "_ToTorchTensorBackward" or not node.next_functions:
         return None
     p = getattr(node.next_functions[0][0], "variable", None)
-    if not _is_dtensor(p) or not (p.is_leaf and p.requires_grad):
+    if not is_dtensor(p) or not (p.is_leaf and p.requires_grad):
         return None
     return p if p._local_tensor.shape == w.shape else None
 
@@ -67,8 +68,8 @@ def fused_grad_target(w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tenso
     if w is None or torch.compiler.is_compiling():  # (a compiled-autograd backward of an eager forward)
         return None
     grad = w.grad
-    if _is_dtensor(w):  # its gradient's local shard, where laid out as the parameter's
-        if not _is_dtensor(grad) or grad.placements != w.placements or grad.device_mesh != w.device_mesh:
+    if is_dtensor(w):  # its gradient's local shard, where laid out as the parameter's
+        if not is_dtensor(grad) or grad.placements != w.placements or grad.device_mesh != w.device_mesh:
             return None
         grad = grad._local_tensor
     if grad is None or type(grad) is not torch.Tensor or grad.requires_grad or w._backward_hooks:

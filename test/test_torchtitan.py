@@ -335,6 +335,37 @@ def _debugmodel_args(corpus: Path, dump: Path, *flags: str) -> list[str]:
     ]  # fmt: skip
 
 
+def test_parameter_parts_name_the_modules_a_spike_can_come_from() -> None:
+    from fp8flow_ao.torchtitan.record import parameter_part
+
+    assert parameter_part("layers.3.moe.experts.w1") == "layers.3.moe.experts"
+    assert parameter_part("layers.3.moe.router.gate.weight") == "layers.3.moe.router"
+    assert parameter_part("layers.0._checkpoint_wrapped_module.attention.wq.weight") == "layers.0.attention"
+    assert parameter_part("layers.1.feed_forward.w1.weight") == "layers.1.feed_forward"
+    assert parameter_part("_orig_mod.tok_embeddings.weight") == "tok_embeddings"
+    assert parameter_part("norm.weight") == "norm" and parameter_part("bias") == "bias"
+
+
+def test_part_norms_record_every_step_with_or_without_gradients() -> None:
+    """A step without gradients still records (zeros): the series stay aligned with the steps, and under several
+    ranks every rank joins the step's all-reduce."""
+    from fp8flow_ao.torchtitan.record import _PartNorms
+
+    model = torch.nn.ModuleDict({"norm": torch.nn.Linear(2, 2), "output": torch.nn.Linear(2, 3, bias=False)})
+    series: dict[str, list[float]] = {}
+    norms = _PartNorms([model], 1, series)
+    norms(list(model.parameters()))
+    model["output"].weight.grad = torch.full((3, 2), 2.0)
+    norms(list(model.parameters()))
+    assert series == {"norm": [0.0, 0.0], "output": [0.0, pytest.approx(math.sqrt(24))]}
+
+
+def test_part_norms_add_up_to_the_clipped_norm(tmp_path: Path, corpus: Path) -> None:
+    """One process: the recorded parts' gradient norms are torchtitan's pre-clip norm taken apart."""
+    record = cpu.train_recorded_on_cpu(_debugmodel_args(corpus, tmp_path), False, grad_norm_parts=True)
+    _check_part_norms(dataclasses.asdict(record), record.losses)
+
+
 @pytest.fixture(scope="module")
 def eager_losses(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> list[float]:
     """The FP8-Flow debugmodel, 2 steps, nothing compiled, no activation checkpointing (the AC test below
@@ -560,15 +591,20 @@ def test_trainer_with_compiled_experts_matches_eager(
     assert compiled == pytest.approx(eager_losses, rel=1e-6, abs=0)
 
 
-def _torchrun_cpu_losses(config: Path, dump: Path, corpus: Path, *flags: str) -> list[float]:
-    """Two CPU processes under ``torchrun`` (gloo), as a user launches torchtitan: the logged losses."""
+def _torchrun_cpu_losses(
+    config: Path, dump: Path, corpus: Path, *flags: str, record: Path | None = None
+) -> list[float]:
+    """Two CPU processes under ``torchrun`` (gloo), as a user launches torchtitan: the logged losses (``record``:
+    rank 0 also writes the run's record there, every part's gradient norm included)."""
     import re
     import subprocess
     import sys
 
+    recorded = [] if record is None else ["--record", str(record)]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(cpu.free_port()),
-        "-m", "fp8flow_ao.torchtitan.cpu", "--job.config_file", str(config), "--job.dump_folder", str(dump),
+        "-m", "fp8flow_ao.torchtitan.cpu", *recorded,
+        "--job.config_file", str(config), "--job.dump_folder", str(dump),
         "--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
         "--training.mixed_precision_param", "float32", "--training.dataset_path", str(corpus.parent),
         "--model.hf_assets_path", str(assets.TOKENIZER_DIR), *flags,
@@ -581,15 +617,29 @@ def _torchrun_cpu_losses(config: Path, dump: Path, corpus: Path, *flags: str) ->
     ]
 
 
+def _check_part_norms(record: dict, losses: list[float]) -> None:
+    """A record with every part's gradient norm: over the ranks' shards (EP's experts, FSDP2's shards of the rest),
+    the parts' squares add up to the norm torchtitan clipped by, every step; every expert weight has a gradient."""
+    parts = record["grad_norm_parts"]
+    assert record["losses"] == pytest.approx(losses, abs=1e-5)  # the log prints 5 decimals
+    assert all(m >= v for m, v in zip(record["max_losses"], record["losses"], strict=True))
+    experts = [name for name in parts if name.endswith(".moe.experts")]
+    assert experts and "tok_embeddings" in parts and "output" in parts, sorted(parts)
+    for step, total in enumerate(record["grad_norms"]):
+        assert math.sqrt(sum(norms[step] ** 2 for norms in parts.values())) == pytest.approx(total, rel=1e-5)
+        assert all(parts[name][step] > 0 for name in experts)
+
+
 def test_expert_parallel_under_torchrun_trains_like_bf16(tmp_path: Path, corpus: Path) -> None:
     """The shipped TOMLs with torchtitan's own ``expert_parallel_degree 2`` (x FSDP2 over the same 2
     ranks), launched by torchrun on 2 gloo processes: FP8-Flow (FP8 dispatch) trains and tracks BF16."""
     flags = ("--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2")
     bf16_toml, fp8_toml = pair("deepseek_v3_debug")
     bf16 = _torchrun_cpu_losses(bf16_toml, tmp_path / "bf16", corpus, *flags)
-    fp8 = _torchrun_cpu_losses(fp8_toml, tmp_path / "fp8flow", corpus, *flags)
+    fp8 = _torchrun_cpu_losses(fp8_toml, tmp_path / "fp8flow", corpus, *flags, record=tmp_path / "fp8flow.json")
     assert len(bf16) == len(fp8) == 3 and fp8[-1] < fp8[0]
     assert all(abs(f - b) <= 0.01 * b for f, b in zip(fp8, bf16, strict=True)), (fp8, bf16)
+    _check_part_norms(json.loads((tmp_path / "fp8flow.json").read_text()), fp8)
     # The expert weights all-gathered as FP8 tiles, and checkpointed: there the experts' shard mesh has one rank
     # (EP = the shard degree), where FSDP2 gathers nothing; this launch once stopped at its first forward, and
     # its checkpoints held a tensor subclass no loader accepted. The same tiles: the same losses as printed.

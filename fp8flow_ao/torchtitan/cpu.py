@@ -18,7 +18,8 @@ Two things stop torchtitan on the CPU, and both are patched here for the duratio
    lacks: the block forces a plain sum (the factor is 1). The launcher's rank variables are kept.
 
 ``python -m fp8flow_ao.torchtitan.cpu --job.config_file torchtitan_configs/deepseek_v3_debug_fp8flow.toml
---training.steps 2 --training.seq_len 64 --training.local_batch_size 2`` trains on the CPU.
+--training.steps 2 --training.seq_len 64 --training.local_batch_size 2`` trains on the CPU (``--record PATH``
+first: and writes what :func:`main` says).
 """
 
 from __future__ import annotations
@@ -162,10 +163,12 @@ def train(args: list[str], init_logging: bool = True) -> list[float]:
     return train_recorded_on_cpu(args, init_logging).losses
 
 
-def train_recorded_on_cpu(args: list[str], init_logging: bool = True, probe_every: int = 0):
+def train_recorded_on_cpu(
+    args: list[str], init_logging: bool = True, probe_every: int = 0, grad_norm_parts: bool = False
+):
     """Parse torchtitan command-line ``args``, train on the CPU; return the :class:`~fp8flow_ao.torchtitan.record.RunRecord`.
 
-    ``probe_every``: :func:`~fp8flow_ao.torchtitan.record.train_recorded`'s.
+    ``probe_every``, ``grad_norm_parts``: :func:`~fp8flow_ao.torchtitan.record.train_recorded`'s.
     """
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
@@ -176,8 +179,25 @@ def train_recorded_on_cpu(args: list[str], init_logging: bool = True, probe_ever
         init_logger()
     config = ConfigManager().parse_args(args)
     with torchtitan_on_cpu(config.model.name):
-        return train_recorded(config, probe_every)
+        return train_recorded(config, probe_every, grad_norm_parts)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m fp8flow_ao.torchtitan.cpu [--record PATH] ARGS``: train on the CPU with torchtitan's command-line
+    ``ARGS``; with ``--record``, also record every part's gradient norm and have rank 0 write the
+    :class:`~fp8flow_ao.torchtitan.record.RunRecord` to ``PATH`` as JSON."""
+    import json
+
+    if argv[:1] != ["--record"]:
+        train(argv)
+        return
+    if len(argv) < 2:
+        raise SystemExit("--record needs a path")
+    record = train_recorded_on_cpu(argv[2:], grad_norm_parts=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(argv[1], "w") as f:
+            json.dump(record.to_json(), f)
 
 
 if __name__ == "__main__":
-    train(sys.argv[1:])
+    main(sys.argv[1:])

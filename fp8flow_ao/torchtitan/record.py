@@ -17,6 +17,7 @@ and compares losses on different text at each step).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,11 @@ from typing import Any
 
 import torch
 
+from fp8flow_ao._grad_accumulation import is_dtensor
 from fp8flow_ao.torchtitan.probe import ExpertProbe
+
+# Wrappers whose names torch.compile, activation checkpointing and FSDP1 put into parameter names.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 @dataclass
@@ -46,6 +51,11 @@ class RunRecord:
     """Per probe step, per converted MoE layer: SQNR (dB) of the FP8-Flow routed experts vs fp32."""
     expert_grad_norms: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     """Per MoE layer and expert weight (w1, w2, w3): every step's gradient norm before clipping."""
+    max_losses: list[float] = field(default_factory=list)
+    """Per logged step: the largest of the ranks' own losses (torchtitan's ``global_max_loss``)."""
+    grad_norm_parts: dict[str, list[float]] = field(default_factory=dict)
+    """With ``grad_norm_parts``: per part of the model (:func:`parameter_part`), every step's gradient norm
+    before clipping, over all ranks; the parts' squares sum to the step's ``grad_norms`` squared."""
 
     def to_json(self) -> dict[str, Any]:
         """The record as JSON-ready data (validation keys become strings, as JSON needs)."""
@@ -99,6 +109,67 @@ def _build_trainer(config: Any) -> Any:
     return trainer
 
 
+def parameter_part(name: str) -> str:
+    """The part of a torchtitan model that the parameter ``name`` belongs to, for per-part gradient norms: its
+    module path (wrapper prefixes and the parameter's own name dropped) cut to ``layers.<i>.<child>``
+    (``layers.3.attention``), to ``layers.<i>.moe.<child>`` inside a MoE layer (``layers.3.moe.experts``,
+    ``.router``, ``.shared_experts``), and to its first component outside the layers (``tok_embeddings``,
+    ``norm``, ``output``)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    path = name.split(".")[:-1] or [name]
+    if path[0] == "layers":
+        return ".".join(path[: 4 if path[2:3] == ["moe"] else 3])
+    return path[0]
+
+
+class _PartNorms:
+    """Every step's gradient norm of each :func:`parameter_part`, over all ranks, before clipping.
+
+    Each rank sums its local shards' squares, divided by how many ranks hold the same elements (a DTensor's
+    replicated mesh dims, and the copies of its mesh when it spans fewer ranks than the world; a plain tensor:
+    every rank), and one all-reduce adds the ranks' sums. Pipeline parallelism (stages hold different
+    parameters) is refused. One host read a step (the norms are appended as floats)."""
+
+    def __init__(self, model_parts: list[torch.nn.Module], world: int, series: dict[str, list[float]]) -> None:
+        part = {id(p): parameter_part(n) for m in model_parts for n, p in m.named_parameters()}
+        self.parts = list(dict.fromkeys(part.values()))  # in the model's order
+        self.index = {pid: self.parts.index(name) for pid, name in part.items()}
+        self.world, self.series = world, series
+        for name in self.parts:
+            series[name] = []
+
+    def __call__(self, parameters: list[torch.Tensor]) -> None:
+        grads = [(self.index[id(p)], p.grad) for p in parameters if p.grad is not None and id(p) in self.index]
+        # Every rank all-reduces every step, with or without gradients of its own (no rank may skip a collective).
+        local = [g._local_tensor if is_dtensor(g) else g for _, g in grads]
+        device = local[0].device if local else _device_of(parameters)
+        squares = torch.zeros(len(self.parts), dtype=torch.float64, device=device)
+        if grads:
+            norms = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32)).double()
+            share = torch.tensor([1.0 / self._copies(g) for _, g in grads], dtype=torch.float64, device=device)
+            squares.index_add_(0, torch.tensor([i for i, _ in grads], device=device), norms.square() * share)
+        if self.world > 1:
+            torch.distributed.all_reduce(squares)
+        for name, value in zip(self.parts, squares.sqrt().tolist(), strict=True):
+            self.series[name].append(value)
+
+    def _copies(self, grad: torch.Tensor) -> int:
+        """How many ranks hold each element of ``grad``'s local tensor."""
+        if not is_dtensor(grad):
+            return self.world
+        mesh = grad.device_mesh
+        replicated = math.prod(mesh.size(d) for d, p in enumerate(grad.placements) if p.is_replicate())
+        return replicated * self.world // mesh.size()
+
+
+def _device_of(parameters: list[torch.Tensor]) -> torch.device:
+    """Where a rank's parameters live (a DTensor's local shard's device), the CPU for none."""
+    for p in parameters:
+        return p._local_tensor.device if is_dtensor(p) else p.device
+    return torch.device("cpu")
+
+
 def _hook(trainer: Any, record: RunRecord, sync: Callable[[], None], probe: ExpertProbe | None) -> None:
     """Wrap the trainer's step (timed; the probe, if any, around it, untimed) and metric logging (recorded) in place."""
     train_step, log, log_validation = (
@@ -120,6 +191,7 @@ def _hook(trainer: Any, record: RunRecord, sync: Callable[[], None], probe: Expe
 
     def log_step(step: int, loss: float, max_loss: float, grad_norm: float, *rest, **kwargs) -> None:
         record.losses.append(float(loss))
+        record.max_losses.append(float(max_loss))
         record.grad_norms.append(float(grad_norm))
         log(step, loss, max_loss, grad_norm, *rest, **kwargs)
 
@@ -132,12 +204,37 @@ def _hook(trainer: Any, record: RunRecord, sync: Callable[[], None], probe: Expe
     trainer.metrics_processor.log_validation = log_held_out
 
 
-def train_recorded(config: Any, probe_every: int = 0) -> RunRecord:
+def _record_part_norms(trainer: Any, record: RunRecord) -> Callable[[], None]:
+    """Record the parts' norms where the trainer clips (torchtitan's ``dist_utils.clip_grad_norm_``, which its
+    ``train_step`` looks up on the module each step); returns what puts the original back."""
+    from torchtitan.distributed import utils as dist_utils
+
+    if trainer.parallel_dims.pp_enabled:
+        raise ValueError("grad_norm_parts: pipeline stages hold different parameters; not supported")
+    part_norms = _PartNorms(trainer.model_parts, trainer.parallel_dims.world_size, record.grad_norm_parts)
+    clip = dist_utils.clip_grad_norm_
+
+    def clip_recorded(parameters, *args, **kwargs):
+        parameters = list(parameters)
+        part_norms(parameters)
+        return clip(parameters, *args, **kwargs)
+
+    dist_utils.clip_grad_norm_ = clip_recorded
+
+    def restore() -> None:
+        dist_utils.clip_grad_norm_ = clip
+
+    return restore
+
+
+def train_recorded(config: Any, probe_every: int = 0, grad_norm_parts: bool = False) -> RunRecord:
     """Train the parsed torchtitan ``JobConfig`` ``config`` in this process; return what it measured.
 
     ``probe_every > 0`` also watches the MoE layers with an :class:`~fp8flow_ao.torchtitan.probe.ExpertProbe`
     (per-layer SQNR of the FP8-Flow experts at step 1 and every ``probe_every`` steps, expert grad
-    norms every step; the losses are unchanged). On the CPU call it inside
+    norms every step; the losses are unchanged). ``grad_norm_parts`` records every step's gradient norm of
+    each part of the model (:attr:`RunRecord.grad_norm_parts`), on any number of ranks but pipeline
+    parallelism: where a step's total norm jumps, the parts say where. On the CPU call it inside
     :func:`fp8flow_ao.torchtitan.cpu.torchtitan_on_cpu`.
     """
     trainer = _build_trainer(config)
@@ -151,11 +248,13 @@ def train_recorded(config: Any, probe_every: int = 0) -> RunRecord:
         probe = ExpertProbe(trainer.model_parts[0], probe_every)
         record.probe_every = probe_every
     _hook(trainer, record, sync, probe)
+    restore = _record_part_norms(trainer, record) if grad_norm_parts else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     try:
         trainer.train()
     finally:
+        restore()
         trainer.close()
         if probe is not None:
             probe.remove()
