@@ -24,6 +24,13 @@ are split over all G (torchtitan's EP borrows the FSDP ranks: EP=G x FSDP=G for 
   and peak memory, BF16 vs FP8-Flow.
 * ``scale`` (not in the default set): the ``fp8flow_dsv3_experts`` flavor (DeepSeek-V3's D=7168,
   256 experts top-8, H=2048) with compile for ``--scale-steps`` steps: the scale-out run for 4-8 GPUs.
+* ``spikes`` (not in the default set): ``--spike-repeats`` launches each of the ``ep`` run (no checkpoint) as
+  BF16, FP8-Flow and FP8-Flow with ``fp8flow.backward = "bf16_fc1_dgrad"`` (the gradient into the layers below
+  leaves each MoE layer from a BF16 GEMM), round by round: how often each has gradient spikes
+  (:func:`gradient_spikes`; session 54 saw them in 6 of 18 FP8-Flow runs and 2 of 10 BF16 ones).
+
+Every run but the throughput ones (perf, scale) records each part's gradient norm (``RunRecord.grad_norm_parts``),
+and the report lists every gradient spike with the parts of the model it is largest in.
 
 Results: ``benchmarks/results/<--name>.{json,md}`` (default ``distributed_torchtitan``) and every
 run's record (losses, step times, peak memory) in ``<--name>_runs.json``. A device command runs at
@@ -54,11 +61,17 @@ HERE = Path(__file__).resolve().parent
 RECIPES = ("bf16", "fp8flow")
 DETERMINISTIC = ["--debug.deterministic", "--debug.deterministic_warn_only"]
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "25", "--checkpoint.folder", "checkpoint"]
-RUN_GROUPS = ("fsdp", "ep", "resume", "cross", "compile", "perf", "scale")
+RUN_GROUPS = ("fsdp", "ep", "resume", "cross", "compile", "perf", "scale", "spikes")
+OPT_IN_GROUPS = ("scale", "spikes")
+"""Run only when named: the scale-out run (4-8 GPUs) and the repeated spike launches."""
+SPIKE_VARIANTS = {"bf16": ("bf16", ()), "fp8flow": ("fp8flow", ()),
+                  "fp8flow_bf16_fc1_dgrad": ("fp8flow", ("--fp8flow.backward", "bf16_fc1_dgrad"))}  # fmt: skip
+"""The spikes group's runs: name -> (recipe, extra torchtitan flags)."""
 
 
-def worker(out: Path, recipe: str, args: list[str]) -> None:
-    """Under torchrun: one torchtitan training; rank 0 writes its record to ``out``."""
+def worker(out: Path, recipe: str, args: list[str], part_norms: bool = False) -> None:
+    """Under torchrun: one torchtitan training; rank 0 writes its record to ``out`` (``part_norms``: with every
+    part's gradient norm, ``RunRecord.grad_norm_parts``)."""
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
 
@@ -77,7 +90,7 @@ def worker(out: Path, recipe: str, args: list[str]) -> None:
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
     config = ConfigManager().parse_args([*common_args(BASE_TOML, "unused"), *recipe_args(recipe), *args])
-    record = train_recorded(config)
+    record = train_recorded(config, grad_norm_parts=part_norms)
     if int(os.environ.get("RANK", "0")) == 0:
         out.write_text(json.dumps(record.to_json()))
 
@@ -91,6 +104,9 @@ class RunSpec:
     args: tuple[str, ...]
     prepare: Callable[[], object] | None = None
     needs: str | None = None
+    timed: bool = False
+    """A throughput run (perf, scale): no per-part gradient norms, whose all-reduce and host read a step would
+    count in its step time."""
 
 
 def parallelism(gpus: int, ep: bool) -> list[str]:
@@ -106,7 +122,9 @@ def _degrees(args: list[str]) -> str:
     return f"EP={ep} x FSDP={fsdp}"
 
 
-def plan_runs(groups: list[str], gpus: int, work: Path, scale_steps: int = 100) -> list[RunSpec]:
+def plan_runs(
+    groups: list[str], gpus: int, work: Path, scale_steps: int = 100, spike_repeats: int = 3
+) -> list[RunSpec]:
     """The launches of ``groups`` on ``gpus`` GPUs, in order (see the module docstring)."""
     unknown = sorted(set(groups) - set(RUN_GROUPS))
     if unknown:
@@ -149,7 +167,7 @@ def plan_runs(groups: list[str], gpus: int, work: Path, scale_steps: int = 100) 
     if "perf" in groups:
         # 60 steps: one 30-step run resolved this ~0.13 s step to about +-10% (session 48: 1.06-1.27x over four)
         perf = ("--model.flavor", "fp8flow_gpu", "--training.steps", "60", *ep, "--compile.enable")
-        runs += [RunSpec(f"perf-{r}", r, (*perf, *dump(f"perf-{r}"))) for r in RECIPES]
+        runs += [RunSpec(f"perf-{r}", r, (*perf, *dump(f"perf-{r}")), timed=True) for r in RECIPES]
     if "scale" in groups:
         scale = (
             "--model.flavor",
@@ -159,7 +177,12 @@ def plan_runs(groups: list[str], gpus: int, work: Path, scale_steps: int = 100) 
             *ep,
             "--compile.enable",
         )
-        runs += [RunSpec(f"scale-{r}", r, (*scale, *dump(f"scale-{r}"))) for r in RECIPES]
+        runs += [RunSpec(f"scale-{r}", r, (*scale, *dump(f"scale-{r}")), timed=True) for r in RECIPES]
+    if "spikes" in groups:
+        for i in range(1, spike_repeats + 1):  # round by round: a call cut short keeps every variant's count even
+            for variant, (recipe, extra) in SPIKE_VARIANTS.items():
+                name = f"spikes-{variant}-{i}"
+                runs.append(RunSpec(name, recipe, (*debug, *ep, *DETERMINISTIC, *extra, *dump(name))))
     return runs
 
 
@@ -169,7 +192,8 @@ def launch(spec: RunSpec, gpus: int, work: Path, records: dict) -> dict:
     # A fresh port per launch: the previous run's rendezvous port may still be in TIME_WAIT.
     port = str(29531 + len(records))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "--master_port", port]
-    cmd += [str(Path(__file__)), "--worker", str(out), "--recipe", spec.recipe, "--", *spec.args]
+    cmd += [str(Path(__file__)), "--worker", str(out), "--recipe", spec.recipe]
+    cmd += [*([] if spec.timed else ["--part-norms"]), "--", *spec.args]
     print(f"=== {spec.name}: {' '.join(spec.args)}", flush=True)
     proc = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True)
     base = {"args": list(spec.args), "recipe": spec.recipe, "gpus": gpus}
@@ -236,6 +260,49 @@ def _slow_steps(seconds: list[float], warm: int) -> list[int]:
     """Timed steps (1-based step numbers) above 3x the median: one-off stalls such as a recompile."""
     median = statistics.median(seconds[warm:])
     return [warm + 1 + i for i, t in enumerate(seconds[warm:]) if t > 3 * median]
+
+
+SPIKE_RATIO = 5.0
+"""A step's pre-clip gradient norm above this many times the median of the 10 steps before it is a spike."""
+
+
+def gradient_spikes(record: dict, top: int = 3) -> list[str]:
+    """The spikes of one run's gradient norm (:data:`SPIKE_RATIO`), each with its step's loss, the largest
+    rank loss, and the ``top`` parts of the model with the largest gradient norms (where the run recorded them)."""
+    norms, parts = record.get("grad_norms", []), record.get("grad_norm_parts") or {}
+    found = []
+    for i in range(10, len(norms)):
+        median = statistics.median(norms[i - 10 : i])
+        if norms[i] <= SPIKE_RATIO * median:
+            continue
+        largest = sorted(parts, key=lambda p: parts[p][i], reverse=True)[:top]
+        where = ", ".join(f"{p} {parts[p][i]:.3g}" for p in largest) or "parts not recorded"
+        max_loss = record.get("max_losses", [None] * len(norms))[i]
+        found.append(
+            f"step {i + 1}: norm {norms[i]:.3g} (median before {median:.3g}), loss {record['losses'][i]:.4f}"
+            f" (largest rank's {max_loss if max_loss is None else round(max_loss, 4)}); largest parts: {where}"
+        )
+    return found
+
+
+def _spike_counts(records: dict) -> list[str]:
+    """The spikes group's tally per variant: runs with a gradient spike, and each run's second-half loss gap to
+    the BF16 run of its round."""
+    notes = []
+    for variant in SPIKE_VARIANTS:
+        runs = sorted(k for k in records if k.rsplit("-", 1)[0] == f"spikes-{variant}")
+        if not runs:
+            continue
+        spiked = [k for k in runs if gradient_spikes(records[k])]
+        gaps = []
+        for k in runs:
+            base = records.get(f"spikes-bf16-{k.rsplit('-', 1)[1]}")
+            gaps.append("n/a" if base is None else f"{_gap(records[k]['losses'], base['losses']):.2f}%")
+        notes.append(
+            f"Spike launches, {variant}: {len(spiked)} of {len(runs)} runs with a gradient spike "
+            f"({', '.join(spiked) or 'none'}); second-half loss gap to the round's BF16 run: {', '.join(gaps)}."
+        )
+    return notes
 
 
 def report(records: dict, name: str) -> None:
@@ -306,6 +373,13 @@ def report(records: dict, name: str) -> None:
                 f"{[round(v, 4) for v in cross['losses'][:3]]} vs the {src} run's step 25-26 "
                 f"{[round(v, 4) for v in ok[f'ep-{src}']['losses'][24:26]]} and step 1 {round(ok[f'ep-{src}']['losses'][0], 4)}."
             )
+    notes += _spike_counts(ok)
+    spikes = {run: gradient_spikes(r) for run, r in sorted(ok.items())}
+    notes.append(
+        f"Gradient spikes (pre-clip norm above {SPIKE_RATIO:g}x the median of the 10 steps before): "
+        + ("; ".join(f"{run}: {' | '.join(s)}" for run, s in spikes.items() if s) or f"none in {len(ok)} runs")
+        + "."
+    )
     notes.append(
         "Step time = median after the first steps (3, or 5 with compile for perf); tokens per GPU per step. "
         "step_ms_p25_p75: the quartiles of the timed steps; slow_steps: timed steps above 3x the median (one-off "
@@ -316,15 +390,19 @@ def report(records: dict, name: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", nargs="+", choices=RUN_GROUPS, default=[g for g in RUN_GROUPS if g != "scale"])
+    parser.add_argument(
+        "--runs", nargs="+", choices=RUN_GROUPS, default=[g for g in RUN_GROUPS if g not in OPT_IN_GROUPS]
+    )
     parser.add_argument("--gpus", type=int, default=None, help="processes/GPUs per run (default: every visible GPU)")
     parser.add_argument("--scale-steps", type=int, default=100, help="steps of the scale group's runs")
+    parser.add_argument("--spike-repeats", type=int, default=3, help="rounds of the spikes group's launches")
     parser.add_argument("--name", default="distributed_torchtitan", help="result file name (without suffix)")
     parser.add_argument(
         "--budget-s", type=float, default=float("inf"), help="launch no run that would end after this many seconds"
     )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--recipe", choices=RECIPES, help=argparse.SUPPRESS)
+    parser.add_argument("--part-norms", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("torchtitan_args", nargs="*")
     return parser.parse_args(argv)
 
@@ -332,7 +410,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
-        return worker(args.worker, args.recipe, args.torchtitan_args)
+        return worker(args.worker, args.recipe, args.torchtitan_args, args.part_norms)
     visible = torch.cuda.device_count()
     gpus = args.gpus or visible
     if visible < 2 or gpus > visible:
@@ -345,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
         report(records, args.name)
 
     with tempfile.TemporaryDirectory() as tmp:
-        plan = plan_runs(args.runs, gpus, Path(tmp), args.scale_steps)
+        plan = plan_runs(args.runs, gpus, Path(tmp), args.scale_steps, args.spike_repeats)
         run_plan(plan, gpus, Path(tmp), args.budget_s, on_record=save)
     return None
 

@@ -38,6 +38,26 @@ def test_plan_uses_every_gpu_for_fsdp_and_ep(tmp_path, gpus):
         assert strip(gather.args) == [*strip(plain.args), "--fp8flow.fsdp_fp8_all_gather"], mode
 
 
+def test_only_throughput_runs_leave_out_the_part_norms(tmp_path):
+    runs = bench.plan_runs(list(bench.RUN_GROUPS), 2, tmp_path)
+    assert {r.name for r in runs if r.timed} == {"perf-bf16", "perf-fp8flow", "scale-bf16", "scale-fp8flow"}
+
+
+def test_gradient_spikes_name_the_parts_with_the_largest_norms():
+    norms = [0.5] * 15 + [30.0] + [0.5] * 4
+    parts = {
+        "tok_embeddings": [0.3] * 20,
+        "layers.1.moe.experts": [0.4] * 15 + [29.9] + [0.4] * 4,
+        "layers.1.moe.router": [0.1] * 15 + [2.0] + [0.1] * 4,
+    }
+    record = {"grad_norms": norms, "grad_norm_parts": parts, "losses": [6.0] * 20, "max_losses": [6.5] * 20}
+    (spike,) = bench.gradient_spikes(record, top=2)
+    assert spike.startswith("step 16: norm 30 (median before 0.5), loss 6.0000 (largest rank's 6.5)")
+    assert spike.endswith("largest parts: layers.1.moe.experts 29.9, layers.1.moe.router 2")
+    assert bench.gradient_spikes({"grad_norms": norms, "losses": [6.0] * 20})[0].endswith("parts not recorded")
+    assert bench.gradient_spikes({"grad_norms": [0.5] * 20, "losses": [6.0] * 20}) == []
+
+
 def test_plan_refuses_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="--gpus must be >= 2"):
         bench.plan_runs(["ep"], 1, tmp_path)
@@ -48,6 +68,25 @@ def test_plan_refuses_bad_arguments(tmp_path):
     args = bench.parse_args(["--runs", "scale", "--gpus", "8", "--scale-steps", "100"])
     assert (args.runs, args.gpus, args.scale_steps) == (["scale"], 8, 100)
     assert "scale" not in bench.parse_args([]).runs, "the scale-out run is asked for explicitly"
+    assert "spikes" not in bench.parse_args([]).runs and bench.parse_args(["--spike-repeats", "5"]).spike_repeats == 5
+
+
+def test_spike_launches_go_round_by_round_and_are_tallied(tmp_path, monkeypatch):
+    """Each round launches every variant once (a call cut short keeps the counts even), the BF16-FC1-dgrad variant
+    with its flag; the report counts each variant's runs with a spike and gives each run's gap to its round's BF16."""
+    runs = bench.plan_runs(["spikes"], 2, tmp_path, spike_repeats=2)
+    names = [r.name for r in runs]
+    assert names == [f"spikes-{v}-{i}" for i in (1, 2) for v in bench.SPIKE_VARIANTS]
+    dgrad = next(r for r in runs if r.name == "spikes-fp8flow_bf16_fc1_dgrad-1")
+    assert dgrad.recipe == "fp8flow" and _flag(dgrad.args, "--fp8flow.backward") == "bf16_fc1_dgrad"
+    assert all(_flag(r.args, "--parallelism.expert_parallel_degree") == "2" and not r.timed for r in runs)
+    smooth = {"grad_norms": [0.5] * 20, "losses": [6.0] * 20}
+    spiky = {"grad_norms": [0.5] * 15 + [30.0] + [0.5] * 4, "losses": [6.0] * 19 + [6.6]}
+    records = {name: smooth for name in names} | {"spikes-fp8flow-2": spiky}
+    notes = bench._spike_counts(records)
+    assert notes[0].startswith("Spike launches, bf16: 0 of 2 runs with a gradient spike (none)")
+    assert notes[1].startswith("Spike launches, fp8flow: 1 of 2 runs with a gradient spike (spikes-fp8flow-2)")
+    assert notes[1].endswith("gap to the round's BF16 run: 0.00%, 1.00%.")
 
 
 def test_skipped_dependency_is_recorded_not_launched(tmp_path, monkeypatch):
