@@ -357,6 +357,7 @@ def test_part_norms_record_every_step_with_or_without_gradients() -> None:
     norms(list(model.parameters()))
     model["output"].weight.grad = torch.full((3, 2), 2.0)
     norms(list(model.parameters()))
+    norms.finish()
     assert series == {"norm": [0.0, 0.0], "output": [0.0, pytest.approx(math.sqrt(24))]}
 
 

@@ -129,30 +129,35 @@ class _PartNorms:
     Each rank sums its local shards' squares, divided by how many ranks hold the same elements (a DTensor's
     replicated mesh dims, and the copies of its mesh when it spans fewer ranks than the world; a plain tensor:
     every rank), and one all-reduce adds the ranks' sums. Pipeline parallelism (stages hold different
-    parameters) is refused. One host read a step (the norms are appended as floats)."""
+    parameters) is refused. The sums stay on the device (no host read a step) until :meth:`finish` writes the
+    norms into ``series``."""
 
     def __init__(self, model_parts: list[torch.nn.Module], world: int, series: dict[str, list[float]]) -> None:
-        part = {id(p): parameter_part(n) for m in model_parts for n, p in m.named_parameters()}
+        named = [(n, p) for m in model_parts for n, p in m.named_parameters()]
+        part = {id(p): parameter_part(n) for n, p in named}
         self.parts = list(dict.fromkeys(part.values()))  # in the model's order
         self.index = {pid: self.parts.index(name) for pid, name in part.items()}
-        self.world, self.series = world, series
-        for name in self.parts:
-            series[name] = []
+        first = named[0][1] if named else torch.empty(0)
+        self.device = (first._local_tensor if is_dtensor(first) else first).device
+        self.world, self.series, self.steps = world, series, []
 
     def __call__(self, parameters: list[torch.Tensor]) -> None:
         grads = [(self.index[id(p)], p.grad) for p in parameters if p.grad is not None and id(p) in self.index]
         # Every rank all-reduces every step, with or without gradients of its own (no rank may skip a collective).
-        local = [g._local_tensor if is_dtensor(g) else g for _, g in grads]
-        device = local[0].device if local else _device_of(parameters)
-        squares = torch.zeros(len(self.parts), dtype=torch.float64, device=device)
+        squares = torch.zeros(len(self.parts), dtype=torch.float64, device=self.device)
         if grads:
+            local = [g._local_tensor if is_dtensor(g) else g for _, g in grads]
             norms = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32)).double()
-            share = torch.tensor([1.0 / self._copies(g) for _, g in grads], dtype=torch.float64, device=device)
-            squares.index_add_(0, torch.tensor([i for i, _ in grads], device=device), norms.square() * share)
+            share = torch.tensor([1.0 / self._copies(g) for _, g in grads], dtype=torch.float64, device=self.device)
+            squares.index_add_(0, torch.tensor([i for i, _ in grads], device=self.device), norms.square() * share)
         if self.world > 1:
             torch.distributed.all_reduce(squares)
-        for name, value in zip(self.parts, squares.sqrt().tolist(), strict=True):
-            self.series[name].append(value)
+        self.steps.append(squares)
+
+    def finish(self) -> None:
+        """Write the recorded steps' norms into ``series`` (one host read for the run)."""
+        norms = torch.stack(self.steps).sqrt().T.tolist() if self.steps else [[] for _ in self.parts]
+        self.series.update(zip(self.parts, norms, strict=True))
 
     def _copies(self, grad: torch.Tensor) -> int:
         """How many ranks hold each element of ``grad``'s local tensor."""
@@ -161,13 +166,6 @@ class _PartNorms:
         mesh = grad.device_mesh
         replicated = math.prod(mesh.size(d) for d, p in enumerate(grad.placements) if p.is_replicate())
         return replicated * self.world // mesh.size()
-
-
-def _device_of(parameters: list[torch.Tensor]) -> torch.device:
-    """Where a rank's parameters live (a DTensor's local shard's device), the CPU for none."""
-    for p in parameters:
-        return p._local_tensor.device if is_dtensor(p) else p.device
-    return torch.device("cpu")
 
 
 def _hook(trainer: Any, record: RunRecord, sync: Callable[[], None], probe: ExpertProbe | None) -> None:
@@ -223,6 +221,7 @@ def _record_part_norms(trainer: Any, record: RunRecord) -> Callable[[], None]:
 
     def restore() -> None:
         dist_utils.clip_grad_norm_ = clip
+        part_norms.finish()
 
     return restore
 
